@@ -1,0 +1,30 @@
+"""PET machine-learned potentials in ASE with FP32-accurate tensor-core GEMMs."""
+
+from .calculator import TCPETCalculator
+from .layers import TCLinear, restore_linear_layers, swap_linear_layers, tc_linear
+from .models import ModelDownloadError, known_models, load_pet
+from .precision import (
+    PRECISIONS,
+    EmulationWarning,
+    UnsupportedPrecisionError,
+    auto_precision,
+    available_precisions,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PRECISIONS",
+    "EmulationWarning",
+    "ModelDownloadError",
+    "TCLinear",
+    "TCPETCalculator",
+    "UnsupportedPrecisionError",
+    "auto_precision",
+    "available_precisions",
+    "known_models",
+    "load_pet",
+    "restore_linear_layers",
+    "swap_linear_layers",
+    "tc_linear",
+]

@@ -1,0 +1,126 @@
+"""``TCPETCalculator``: an ASE calculator running PET with tensor-core FP32 GEMMs.
+
+Energies, forces and stress come from metatomic-ase's ``MetatomicCalculator``
+(neighbour lists through vesin, forces and strain-derivative stress by autograd) on
+the metatrain PET module whose Linear layers run in the chosen precision.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+from ase import Atoms
+from ase.calculators.calculator import Calculator, PropertyNotImplementedError, all_changes
+from ase.data import chemical_symbols
+
+from .layers import swap_linear_layers
+from .models import load_pet
+from .precision import check_name, ieee_fp32_matmul, resolve_precision, support
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """CUDA when available for ``None``; an explicit device is checked to exist."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device '{device}' requested, but CUDA is not available")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"device '{device}' requested, but only {torch.cuda.device_count()} GPU(s) exist"
+            )
+    elif device.type != "cpu":
+        raise ValueError(f"unsupported device '{device}': use 'cpu', 'cuda' or 'cuda:N'")
+    return device
+
+
+class TCPETCalculator(Calculator):
+    """PET / PET-MAD in ASE with FP32-accurate tensor-core matrix products.
+
+    >>> atoms.calc = TCPETCalculator("pet-mad-s", precision="tf32x3")  # doctest: +SKIP
+
+    :param model: a uPET name (``"pet-mad-s"``), a metatrain ``.ckpt`` path, or a loaded
+        metatrain PET model (modified in place).
+    :param version: uPET model version when ``model`` is a name.
+    :param precision: ``"auto"``, ``"fp32"``, ``"tf32"``, ``"tf32x3"`` or ``"bf16x9"``
+        (see :mod:`ase_tcfp32.precision`).
+    :param device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``; default CUDA when available.
+    :param neighbor_skin: Verlet skin in Å of the cached neighbour lists.
+
+    Units: energy eV, forces eV/Å, stress eV/Å³ in Voigt order (xx, yy, zz, yz, xz, xy),
+    positive under tension. Stress needs periodicity in all three directions.
+    """
+
+    implemented_properties = ["energy", "free_energy", "energies", "forces", "stress"]
+
+    def __init__(
+        self,
+        model: str | os.PathLike | torch.nn.Module = "pet-mad-s",
+        *,
+        version: str = "latest",
+        precision: str = "auto",
+        device: str | torch.device | None = None,
+        neighbor_skin: float = 2.0,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        check_name(precision)
+        self.device = resolve_device(device)
+        self.precision = resolve_precision(precision, self.device)
+        self.backend = support(self.precision, self.device).backend
+
+        from metatomic_ase import MetatomicCalculator
+
+        self.pet = load_pet(model, version)
+        swap_linear_layers(self.pet, self.precision)
+        self.atomic_types = frozenset(int(t) for t in self.pet.atomic_types)
+        self.cutoff = float(self.pet.cutoff)
+        atomistic = self.pet.export().eval()
+        self._metatomic = MetatomicCalculator(
+            atomistic,
+            device=str(self.device),
+            do_gradients_with_energy=False,
+            uncertainty_threshold=None,
+            neighbor_skin=neighbor_skin,
+        )
+        self.model_name = atomistic.metadata().name or (
+            model if isinstance(model, str) else type(model).__name__
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"TCPETCalculator(model={self.model_name!r}, precision={self.precision!r}, "
+            f"backend={self.backend!r}, device='{self.device}')"
+        )
+
+    def check_atoms(self, atoms: Atoms, properties: list[str]) -> None:
+        """Raise a clear error for input the model cannot evaluate."""
+        if len(atoms) == 0:
+            raise ValueError("cannot evaluate an empty Atoms object")
+        if not np.all(np.isfinite(atoms.positions)):
+            raise ValueError("atoms.positions contain NaN or infinite values")
+        if not np.all(np.isfinite(atoms.cell.array)):
+            raise ValueError("atoms.cell contains NaN or infinite values")
+        unknown = sorted(set(atoms.numbers.tolist()) - self.atomic_types)
+        if unknown:
+            names = ", ".join(chemical_symbols[z] if 0 < z < len(chemical_symbols) else str(z) for z in unknown)
+            raise ValueError(f"the model does not know element(s) {names}")
+        if "stress" in properties and not atoms.pbc.all():
+            raise PropertyNotImplementedError(
+                f"stress needs a system periodic in all three directions (pbc={atoms.pbc.tolist()})"
+            )
+
+    def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes):
+        if atoms is not None:
+            self.check_atoms(atoms, list(properties))
+        super().calculate(atoms, properties, system_changes)
+        # forces come with every call (ASE caches them for the next get_forces);
+        # stress too for 3D-periodic systems, where MetatomicCalculator adds it itself.
+        wanted = ["energy", "forces"] + (["energies"] if "energies" in properties else [])
+        with ieee_fp32_matmul():
+            self._metatomic.calculate(self.atoms, wanted, system_changes)
+        self.results = dict(self._metatomic.results)
+        self.results["free_energy"] = self.results["energy"]

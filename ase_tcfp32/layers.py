@@ -1,0 +1,164 @@
+"""``TCLinear``: ``torch.nn.Linear`` with tensor-core FP32-emulating products.
+
+The module keeps ``nn.Linear``'s parameters and state_dict keys; its forward and the
+gradient with respect to its input (what forces and stress need) both run the
+emulated GEMM of its precision. The weight is split into tensor-core words once and
+again only when it changes. The gradient with respect to the weight, when asked for,
+takes the ordinary FP32 path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from .kernels import get_backend
+from .precision import PRECISIONS, check_name
+
+EMULATED = tuple(p for p in PRECISIONS if p != "fp32")
+
+
+class _TCLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, backend, prepared):
+        ctx.backend, ctx.prepared = backend, prepared
+        ctx.save_for_backward(x if weight.requires_grad else None)
+        return backend.forward(x, prepared, bias)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y):
+        (x,) = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = ctx.backend.grad_input(grad_y.contiguous(), ctx.prepared)
+        if ctx.needs_input_grad[1]:
+            grad_w = grad_y.T @ x
+        if ctx.needs_input_grad[2]:
+            grad_b = grad_y.sum(0)
+        return grad_x, grad_w, grad_b, None, None
+
+
+def tc_linear(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    precision: str = "tf32x3",
+    prepared: object | None = None,
+) -> torch.Tensor:
+    """Functional twin of :class:`TCLinear`: ``input @ weight.T + bias`` in ``precision``.
+
+    ``input`` [..., K] and ``weight`` [N, K] are float32; returns [..., N].
+    ``prepared`` is the backend's split of ``weight``, made here if not given.
+    """
+    if precision not in EMULATED:
+        raise ValueError(f"tc_linear needs one of {', '.join(EMULATED)}, got {precision!r}")
+    if input.dtype != torch.float32 or weight.dtype != torch.float32:
+        raise TypeError(f"tc_linear needs float32 tensors, got {input.dtype} and {weight.dtype}")
+    backend = get_backend(precision, input.device)
+    if prepared is None:
+        prepared = backend.prepare(weight)
+    x2d = input.reshape(-1, input.shape[-1])
+    if not x2d.is_contiguous():
+        x2d = x2d.contiguous()
+    y = _TCLinearFunction.apply(x2d, weight, bias, backend, prepared)
+    return y.reshape(*input.shape[:-1], weight.shape[0])
+
+
+class TCLinear(nn.Linear):
+    """``nn.Linear`` whose products run in an emulated ``precision`` (see :mod:`ase_tcfp32.precision`)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        precision: str = "tf32x3",
+    ):
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self.precision = precision
+        self._cache_key: tuple | None = None
+        self._prepared: object | None = None
+
+    @property
+    def precision(self) -> str:
+        return self._precision
+
+    @precision.setter
+    def precision(self, value: str) -> None:
+        if value not in EMULATED:
+            raise ValueError(f"TCLinear precision must be one of {', '.join(EMULATED)}, got {value!r}")
+        self._precision = value
+        self._cache_key = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, precision: str) -> "TCLinear":
+        """A TCLinear sharing ``linear``'s parameters (no copy)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = linear.in_features, linear.out_features
+        layer.weight, layer.bias = linear.weight, linear.bias
+        layer.precision = precision
+        return layer
+
+    def to_linear(self) -> nn.Linear:
+        """A plain nn.Linear sharing this layer's parameters."""
+        linear = nn.Linear.__new__(nn.Linear)
+        nn.Module.__init__(linear)
+        linear.in_features, linear.out_features = self.in_features, self.out_features
+        linear.weight, linear.bias = self.weight, self.bias
+        return linear
+
+    def prepared_weight(self, device: torch.device) -> object:
+        """The backend's split of the weight, redone when the weight or device changes."""
+        w = self.weight
+        key = (self._precision, device, w.data_ptr(), w._version, w.shape)
+        if key != self._cache_key:
+            self._prepared = get_backend(self._precision, device).prepare(w)
+            self._cache_key = key
+        return self._prepared
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        prepared = self.prepared_weight(input.device)
+        return tc_linear(input, self.weight, self.bias, self._precision, prepared)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, precision={self._precision}"
+
+
+def swap_linear_layers(module: nn.Module, precision: str) -> list[str]:
+    """Make every Linear layer of ``module`` compute in ``precision``; return their names.
+
+    Exact ``nn.Linear`` layers become :class:`TCLinear` (sharing parameters) and
+    existing TCLinear layers change precision; ``"fp32"`` turns them all back into
+    ``nn.Linear`` (see also :func:`restore_linear_layers`). Idempotent. Subclasses of
+    ``nn.Linear`` other than TCLinear are left alone.
+    """
+    check_name(precision, allow_auto=False)
+    changed = []
+    for name, child in list(module.named_modules()):
+        if isinstance(child, TCLinear):
+            if precision == "fp32":
+                _set_submodule(module, name, child.to_linear())
+            else:
+                child.precision = precision
+            changed.append(name)
+        elif type(child) is nn.Linear and precision != "fp32":
+            _set_submodule(module, name, TCLinear.from_linear(child, precision))
+            changed.append(name)
+    return changed
+
+
+def restore_linear_layers(module: nn.Module) -> list[str]:
+    """Turn every TCLinear of ``module`` back into ``nn.Linear``; return their names."""
+    return swap_linear_layers(module, "fp32")
+
+
+def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, attr, new)

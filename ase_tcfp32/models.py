@@ -1,0 +1,214 @@
+"""Loading PET models the way the ecosystem does: uPET names, checkpoints, modules.
+
+:func:`load_pet` returns a metatrain ``PET`` ``nn.Module`` (not TorchScript, so that
+its Linear layers can be swapped) in evaluation mode, with frozen parameters and only
+the energy heads. A uPET name such as ``"pet-mad-s"`` is resolved and downloaded by
+``upet`` (cached by the Hugging Face hub client); offline, a previously cached file
+is used, and without one the error says how to pass a local checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from pathlib import Path
+
+import torch
+
+UPET_MODELS = (
+    "pet-mad-xs", "pet-mad-s", "pet-mad-m",
+    "pet-omat-xs", "pet-omat-s", "pet-omat-m", "pet-omat-l", "pet-omat-xl",
+    "pet-oam-l", "pet-oam-xl",
+    "pet-omad-xs", "pet-omad-s", "pet-omad-l",
+    "pet-omatpes-l",
+    "pet-omol-s", "pet-omol-m", "pet-omol-l",
+    "pet-mols-s",
+    "pet-spice-s", "pet-spice-l",
+)  # fmt: skip
+"""Names upet 0.3 resolves (``upet._version.UPET_AVAILABLE_MODELS``), known offline."""
+
+_UPET_REPO = "lab-cosmo/upet"
+_CKPT_NAME = re.compile(r"^(?P<name>pet-[\w-]+?)-v?(?P<version>\d+\.\d+\.\d+)\.ckpt$")
+
+
+class ModelDownloadError(RuntimeError):
+    """A named model could not be downloaded and no cached copy exists."""
+
+
+def known_models() -> tuple[str, ...]:
+    """The model names accepted by :func:`load_pet` (uPET's list, from upet if installed)."""
+    try:
+        from upet._version import UPET_AVAILABLE_MODELS
+    except ImportError:
+        return UPET_MODELS
+    return tuple(UPET_AVAILABLE_MODELS)
+
+
+def cached_checkpoints() -> dict[str, list[tuple[str, Path]]]:
+    """uPET checkpoints in the local Hugging Face cache: ``{name: [(version, path)]}``."""
+    try:
+        from huggingface_hub import constants, scan_cache_dir
+
+        repos = scan_cache_dir(constants.HF_HUB_CACHE).repos
+    except Exception:  # no cache directory yet, or an unreadable one
+        return {}
+    found: dict[str, list[tuple[str, Path]]] = {}
+    for repo in repos:
+        if repo.repo_id != _UPET_REPO:
+            continue
+        for revision in repo.revisions:
+            for file in revision.files:
+                match = _CKPT_NAME.match(file.file_name)
+                if match:
+                    found.setdefault(match["name"], []).append((match["version"], file.file_path))
+    for versions in found.values():
+        versions.sort(key=lambda item: tuple(int(v) for v in item[0].split(".")))
+    return found
+
+
+def _download(name: str, version: str) -> Path:
+    base, _, size = name.rpartition("-")
+    try:
+        from upet._models import _resolve_and_download_checkpoint
+    except ImportError as error:
+        raise ModelDownloadError(
+            f"downloading {name!r} needs the 'upet' package, which failed to import ({error}); "
+            "install it with `pip install upet`, or pass a local checkpoint path"
+        ) from error
+    try:
+        return Path(_resolve_and_download_checkpoint(base, size, version)[2])
+    except ValueError:  # upet's own message for an unknown version
+        raise
+    except Exception as error:  # network, offline mode, hub errors
+        cached = [(v, p) for v, p in cached_checkpoints().get(name, []) if version in ("latest", v)]
+        if cached:
+            v, path = cached[-1]
+            warnings.warn(
+                f"could not reach the model hub ({type(error).__name__}); "
+                f"using the cached {name} v{v} at {path}",
+                stacklevel=4,
+            )
+            return Path(path)
+        raise ModelDownloadError(
+            f"could not download model {name!r} (version {version}) from the Hugging Face "
+            f"hub: {type(error).__name__}: {error}. No cached copy was found. Pass a local "
+            f"checkpoint instead, e.g. TCPETCalculator('/path/to/{name}-v1.6.0.ckpt'), "
+            "after downloading it on a machine with network access."
+        ) from error
+
+
+def resolve_checkpoint(model: str | os.PathLike, version: str = "latest") -> Path:
+    """The local checkpoint file for a uPET name or a path; raises a clear error otherwise."""
+    text = os.fspath(model)
+    path = Path(text).expanduser()
+    if path.is_file():
+        return path
+    if text in known_models():
+        return _download(text, version)
+    if path.suffix or os.sep in text or path.exists():
+        raise FileNotFoundError(f"model checkpoint not found: '{path}'")
+    raise ValueError(
+        f"unknown model {text!r}: pass a checkpoint path or one of {', '.join(known_models())}"
+    )
+
+
+def _read_checkpoint(path: Path) -> torch.nn.Module:
+    from metatrain.utils.io import load_model
+
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="PET assumes that Cartesian tensors")
+            return load_model(path)
+    except Exception as error:
+        raise ValueError(f"could not read a metatrain checkpoint from '{path}': {error}") from error
+
+
+def _unwrap_pet(module: torch.nn.Module) -> torch.nn.Module:
+    from metatomic.torch import AtomisticModel
+    from metatrain.pet import PET
+
+    if isinstance(module, AtomisticModel):
+        module = module.module
+    inner = getattr(module, "model", None)  # LLPR-wrapped releases (PET-MAD)
+    if isinstance(inner, PET):
+        module = inner
+    if not isinstance(module, PET):
+        raise TypeError(
+            f"expected a metatrain PET model (or an LLPR model wrapping one), got "
+            f"{type(module).__name__}"
+        )
+    return module
+
+
+def load_pet(model: str | os.PathLike | torch.nn.Module, version: str = "latest") -> torch.nn.Module:
+    """A metatrain ``PET`` in eval mode, frozen, keeping only its energy outputs.
+
+    ``model`` is a uPET name (``"pet-mad-s"``), a checkpoint path, or a loaded
+    metatrain model (PET, LLPR-wrapped PET, or an unscripted ``AtomisticModel``).
+    A module passed in is modified in place (heads dropped, parameters frozen).
+    """
+    if isinstance(model, torch.nn.Module):
+        pet = _unwrap_pet(model)
+    else:
+        pet = _unwrap_pet(_read_checkpoint(resolve_checkpoint(model, version)))
+    for target in list(pet.output_shapes):
+        if target != "energy" and not target.startswith("energy/"):
+            pet.remove_output(target)
+    if "energy" not in pet.output_shapes:
+        raise ValueError("this PET model has no 'energy' output")
+    for parameter in pet.parameters():
+        parameter.requires_grad_(False)
+    return pet.eval()
+
+
+PET_MAD_SHAPES = {
+    # name: (d_pet, GNN layers, attention layers, cutoff Å, adaptive neighbours)
+    "tiny": (16, 2, 1, 5.0, 16),
+    "xs": (128, 2, 1, 7.5, 16),
+    "s": (256, 3, 1, 8.0, 24),
+    "m": (384, 3, 2, 8.5, 32),
+}
+"""PET-MAD v1.6 sizes (upet's model table) plus a tiny one for tests on CPU."""
+
+
+def random_pet(shape: str = "tiny", *, seed: int = 0, atomic_types=tuple(range(1, 103))) -> torch.nn.Module:
+    """A metatrain PET with random weights and the PET-MAD architecture rule.
+
+    d_node = 4 d_pet, d_feedforward = 2 d_pet, d_head = d_pet, 8 heads (4 for tiny),
+    RMSNorm, SwiGLU, PreLN, feedforward featurizer, Bump cutoff, and PET-MAD's three
+    heads (energy, non-conservative force and stress). For tests and benchmarks of
+    shapes and speed: its energies are not physical.
+    """
+    from metatrain.pet import PET
+    from metatrain.utils.architectures import get_default_hypers
+    from metatrain.utils.data import DatasetInfo
+    from metatrain.utils.data.target_info import get_energy_target_info, get_generic_target_info
+
+    d_pet, gnn, attention, cutoff, neighbours = PET_MAD_SHAPES[shape]
+    hypers = get_default_hypers("pet")["model"]
+    hypers.update(
+        d_pet=d_pet, d_node=4 * d_pet, d_head=d_pet, d_feedforward=2 * d_pet,
+        num_heads=4 if shape == "tiny" else 8, num_gnn_layers=gnn,
+        num_attention_layers=attention, cutoff=cutoff, num_neighbors_adaptive=neighbours,
+        cutoff_function="Bump", cutoff_width=0.5, normalization="RMSNorm",
+        activation="SwiGLU", transformer_type="PreLN", featurizer_type="feedforward",
+    )  # fmt: skip
+    targets = {
+        "energy": get_energy_target_info("energy", {"quantity": "energy", "unit": "eV"}),
+        "non_conservative_force": get_generic_target_info(
+            "non_conservative_force",
+            {"quantity": "force", "unit": "eV/A", "type": {"cartesian": {"rank": 1}},
+             "num_subtargets": 1, "sample_kind": "atom"},
+        ),
+        "non_conservative_stress": get_generic_target_info(
+            "non_conservative_stress",
+            {"quantity": "pressure", "unit": "eV/A^3", "type": {"cartesian": {"rank": 2}},
+             "num_subtargets": 1, "sample_kind": "system"},
+        ),
+    }  # fmt: skip
+    torch.manual_seed(seed)
+    info = DatasetInfo(length_unit="Angstrom", atomic_types=list(atomic_types), targets=targets)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="PET assumes that Cartesian tensors")
+        return PET(hypers, info)

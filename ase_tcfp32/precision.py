@@ -1,0 +1,157 @@
+"""Precision modes: which exist, which the current hardware runs, what ``auto`` picks.
+
+A *precision* names the arithmetic of every ``torch.nn.Linear`` product in the model:
+
+========  =====================================================================
+fp32      IEEE single precision (cuBLAS SGEMM / CPU BLAS); the baseline
+tf32      one TF32 tensor-core pass; ~1e-4 relative error, for comparison only
+tf32x3    three TF32 passes (hi*hi + hi*lo + lo*hi); FP32-level error
+bf16x9    nine BF16 passes over a three-way split; FP32-level error
+========  =====================================================================
+
+Which *backend* computes a mode depends on the device: cuBLAS's own BF16x9
+emulation on Blackwell (compute capability 10.0 and 10.3), our Triton kernels on
+Ampere and newer (8.x, 9.x, ...), and the torch reference emulation on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+PRECISIONS = ("fp32", "tf32", "tf32x3", "bf16x9")
+"""Every precision a user can force; ``"auto"`` picks one of them."""
+
+BLACKWELL_BF16X9 = ((10, 0), (10, 3))
+"""Compute capabilities on which cuBLAS implements FP32 emulation with BF16x9."""
+
+
+class UnsupportedPrecisionError(ValueError):
+    """The requested precision cannot run on the requested device."""
+
+
+class EmulationWarning(UserWarning):
+    """A precision runs through the slow torch reference emulation (CPU)."""
+
+
+@dataclass(frozen=True)
+class PrecisionSupport:
+    """Whether ``precision`` runs on ``device``, through which ``backend``, and why."""
+
+    precision: str
+    device: str
+    available: bool
+    backend: str
+    note: str
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def support(precision: str, device: torch.device | str) -> PrecisionSupport:
+    """Tell whether ``precision`` runs on ``device`` and through which backend."""
+    check_name(precision, allow_auto=False)
+    device = torch.device(device)
+    cc = _capability(device)
+    if precision == "fp32":
+        backend = "cuBLAS SGEMM" if cc else "CPU BLAS"
+        return PrecisionSupport(precision, str(device), True, backend, "IEEE FP32 baseline")
+    if cc is None:
+        return PrecisionSupport(
+            precision, str(device), True, "reference",
+            "torch reference emulation: the GPU's numerics, slower than fp32",
+        )
+    if cc < (8, 0):
+        return PrecisionSupport(
+            precision, str(device), False, "none",
+            f"compute capability {cc[0]}.{cc[1]} has no TF32/BF16 tensor cores (needs 8.0+)",
+        )
+    if precision == "bf16x9" and cc in BLACKWELL_BF16X9:
+        return PrecisionSupport(
+            precision, str(device), True, "cuBLAS BF16x9",
+            "cuBLAS FP32 emulation (CUBLAS_COMPUTE_32F_EMULATED_16BFX9)",
+        )
+    return PrecisionSupport(precision, str(device), True, "triton", "ase_tcfp32 Triton kernel")
+
+
+def auto_precision(device: torch.device | str) -> tuple[str, str]:
+    """The precision ``"auto"`` picks on ``device``, and the reason in words."""
+    device = torch.device(device)
+    cc = _capability(device)
+    if cc is None:
+        return "fp32", f"device '{device}' has no tensor cores"
+    name = f"{torch.cuda.get_device_name(device)} (compute capability {cc[0]}.{cc[1]})"
+    if cc in BLACKWELL_BF16X9:
+        return "bf16x9", f"{name} has cuBLAS BF16x9 FP32 emulation"
+    if cc[0] in (8, 9):
+        return "tf32x3", f"{name} has TF32 tensor cores"
+    return "fp32", f"{name} is not in the tested table (8.x, 9.x -> tf32x3; 10.0, 10.3 -> bf16x9)"
+
+
+def check_name(precision: object, *, allow_auto: bool = True) -> str:
+    """Return ``precision`` if it names a mode, else raise a ValueError listing them."""
+    valid = (("auto",) if allow_auto else ()) + PRECISIONS
+    if not isinstance(precision, str) or precision not in valid:
+        raise ValueError(f"unknown precision {precision!r}; valid choices: {', '.join(valid)}")
+    return precision
+
+
+def resolve_precision(precision: str, device: torch.device | str) -> str:
+    """Turn a user's choice into a concrete precision that ``device`` can run.
+
+    ``"auto"`` follows :func:`auto_precision` and warns when it falls back to fp32;
+    a forced mode the hardware cannot run raises :class:`UnsupportedPrecisionError`;
+    a forced emulated mode on CPU warns that it runs the slow reference emulation.
+    """
+    check_name(precision)
+    device = torch.device(device)
+    if precision == "auto":
+        chosen, why = auto_precision(device)
+        if chosen == "fp32":
+            warnings.warn(f"precision='auto' uses fp32: {why}", stacklevel=3)
+        return chosen
+    info = support(precision, device)
+    if not info.available:
+        raise UnsupportedPrecisionError(
+            f"precision {precision!r} cannot run on {device}: {info.note}; "
+            "use precision='fp32' or 'auto'"
+        )
+    if info.backend == "reference":
+        warnings.warn(
+            f"precision {precision!r} on {device} runs the torch reference emulation: "
+            "the tensor-core numerics, but slower than fp32 (meant for checking accuracy)",
+            EmulationWarning,
+            stacklevel=3,
+        )
+    return precision
+
+
+def available_precisions(device: torch.device | str | None = None) -> list[PrecisionSupport]:
+    """Every precision with its availability on ``device`` (default: CUDA if present)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return [support(p, device) for p in PRECISIONS]
+
+
+@contextlib.contextmanager
+def ieee_fp32_matmul() -> Iterator[None]:
+    """Run the block with IEEE FP32 cuBLAS matmuls, restoring the caller's setting.
+
+    Keeps a process-wide ``torch.backends.cuda.matmul.fp32_precision = "tf32"`` set by
+    other code from leaking into our FP32 baseline or the model's non-Linear matmuls,
+    without changing that setting for anything outside the block.
+    """
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.fp32_precision
+    matmul.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = saved

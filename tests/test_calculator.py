@@ -1,0 +1,184 @@
+import numpy as np
+import pytest
+import torch
+from ase import Atoms
+from ase.calculators.calculator import PropertyNotImplementedError
+from ase.filters import FrechetCellFilter
+from ase.md.langevin import Langevin
+from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
+from ase.md.verlet import VelocityVerlet
+from ase.optimize import BFGS, FIRE
+from ase.units import fs
+from metatomic_ase import MetatomicCalculator
+from metatrain.utils.io import load_model
+
+from ase_tcfp32 import TCPETCalculator
+from ase_tcfp32.models import random_pet
+
+
+def metatomic_reference(path):
+    return MetatomicCalculator(load_model(path).export(), device="cpu", uncertainty_threshold=None)
+
+
+@pytest.mark.parametrize("name", ["pet-v16", "llpr-v4"])
+def test_fp32_reproduces_metatomic_on_shipped_checkpoints(shipped, ethanol, name):
+    path = shipped(name)
+    ours = ethanol.copy()
+    ours.calc = TCPETCalculator(path, precision="fp32", device="cpu")
+    ref = ethanol.copy()
+    ref.calc = metatomic_reference(path)
+    e_ref = ref.get_potential_energy()
+    assert abs(ours.get_potential_energy() - e_ref) <= 1e-6 * abs(e_ref)
+    assert np.abs(ours.get_forces() - ref.get_forces()).max() <= 1e-5
+    energies = ours.get_potential_energies()
+    assert energies.shape == (len(ethanol),)
+    assert energies.sum() == pytest.approx(e_ref, rel=1e-6)
+    assert ours.get_potential_energy(force_consistent=True) == ours.get_potential_energy()
+
+
+def test_fp32_reproduces_metatomic_with_stress(tiny_ckpt, water):
+    ours = water.copy()
+    ours.calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu")
+    ref = water.copy()
+    ref.calc = metatomic_reference(tiny_ckpt)
+    e_ref = ref.get_potential_energy()
+    assert abs(ours.get_potential_energy() - e_ref) <= 1e-6 * abs(e_ref)
+    assert np.abs(ours.get_forces() - ref.get_forces()).max() <= 1e-5
+    assert np.abs(ours.get_stress() - ref.get_stress()).max() <= 1e-6
+
+
+@pytest.fixture(scope="module")
+def float64_calc():
+    """A PET in float64, so finite differences resolve the derivatives."""
+    pet = random_pet("tiny", seed=11, atomic_types=[1, 8, 78]).to(torch.float64)
+    return TCPETCalculator(pet, precision="fp32", device="cpu")
+
+
+def test_forces_match_finite_differences(float64_calc, water):
+    water.calc = float64_calc
+    forces = water.get_forces()
+    assert np.abs(forces).max() > 1e-3  # a non-trivial check
+    h = 1e-4
+    for atom, axis in [(0, 0), (1, 2), (5, 1), (13, 0)]:
+        plus, minus = water.copy(), water.copy()
+        plus.positions[atom, axis] += h
+        minus.positions[atom, axis] -= h
+        plus.calc = minus.calc = float64_calc
+        fd = -(plus.get_potential_energy() - minus.get_potential_energy()) / (2 * h)
+        assert forces[atom, axis] == pytest.approx(fd, abs=1e-6, rel=1e-5)
+
+
+def test_stress_matches_finite_differences(float64_calc, water):
+    water.calc = float64_calc
+    stress = water.get_stress(voigt=False)
+    assert np.abs(stress).max() > 1e-5
+    h = 1e-5
+    volume = water.get_volume()
+    for i, j in [(0, 0), (1, 1), (2, 2), (1, 2), (0, 2), (0, 1)]:
+        energies = []
+        for sign in (1, -1):
+            strained = water.copy()
+            eps = np.eye(3)
+            eps[i, j] += sign * h / (2 if i != j else 1)
+            if i != j:
+                eps[j, i] += sign * h / 2
+            strained.set_cell(water.cell @ eps, scale_atoms=True)
+            strained.calc = float64_calc
+            energies.append(strained.get_potential_energy())
+        fd = (energies[0] - energies[1]) / (2 * h) / volume
+        assert stress[i, j] == pytest.approx(fd, abs=1e-7, rel=1e-4)
+    voigt = water.get_stress()
+    assert voigt == pytest.approx([stress[0, 0], stress[1, 1], stress[2, 2], stress[1, 2], stress[0, 2], stress[0, 1]])
+
+
+def test_md_and_optimisers_run(shipped, ethanol, tiny_ckpt, pt_bulk):
+    ethanol.calc = TCPETCalculator(shipped("pet-v16"), precision="fp32", device="cpu")
+    MaxwellBoltzmannDistribution(ethanol, temperature_K=300, rng=np.random.default_rng(0))
+    start = ethanol.get_total_energy()
+    VelocityVerlet(ethanol, timestep=0.5 * fs).run(10)
+    assert abs(ethanol.get_total_energy() - start) < 0.05
+    Langevin(ethanol, 0.5 * fs, temperature_K=300, friction=0.01, fixcm=False, rng=np.random.default_rng(1)).run(5)
+    e0 = ethanol.get_potential_energy()
+    FIRE(ethanol, logfile=None).run(fmax=0.05, steps=20)
+    assert ethanol.get_potential_energy() <= e0
+    e1 = ethanol.get_potential_energy()
+    BFGS(ethanol, logfile=None).run(fmax=0.05, steps=10)
+    assert ethanol.get_potential_energy() <= e1 + 1e-6
+
+    pt_bulk.calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu")
+    e0 = pt_bulk.get_potential_energy()
+    opt = FIRE(FrechetCellFilter(pt_bulk), logfile=None)
+    opt.run(fmax=1e-3, steps=15)
+    assert pt_bulk.get_potential_energy() < e0
+
+
+def test_results_are_cached_between_property_requests(tiny_ckpt, water):
+    calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu")
+    water.calc = calc
+    water.get_potential_energy()
+    before = dict(calc.results)
+    assert {"energy", "free_energy", "forces", "stress"} <= set(before)
+    water.get_forces()
+    water.get_stress()
+    assert calc.results["forces"] is before["forces"]  # no second model call
+
+
+# --- bad input: a clear exception before any model work -------------------------
+
+
+def test_unknown_element_is_named(shipped):
+    calc = TCPETCalculator(shipped("pet-v16"), precision="fp32", device="cpu")
+    atoms = Atoms("CPtU", positions=[[0, 0, 0], [2, 0, 0], [0, 2, 0]])
+    atoms.calc = calc
+    with pytest.raises(ValueError, match="Pt, U"):
+        atoms.get_potential_energy()
+    assert calc.atoms is None and calc.results == {}
+
+
+@pytest.mark.parametrize("where", ["positions", "cell"])
+def test_nan_geometry_is_rejected(tiny_ckpt, water, where):
+    calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu")
+    if where == "positions":
+        water.positions[3, 1] = np.nan
+    else:
+        water.cell[0, 0] = np.inf
+    water.calc = calc
+    with pytest.raises(ValueError, match=f"{where}.*NaN or infinite"):
+        water.get_forces()
+    assert calc.results == {}
+
+
+def test_empty_atoms_are_rejected(tiny_ckpt):
+    atoms = Atoms()
+    atoms.calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu")
+    with pytest.raises(ValueError, match="empty"):
+        atoms.get_potential_energy()
+
+
+@pytest.mark.parametrize("pbc", [False, [True, True, False]])
+def test_stress_needs_full_periodicity(tiny_ckpt, water, pbc):
+    water.pbc = pbc
+    water.calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu")
+    assert np.isfinite(water.get_potential_energy())
+    assert "stress" not in water.calc.results
+    with pytest.raises(PropertyNotImplementedError, match="periodic in all three"):
+        water.get_stress()
+
+
+def test_unknown_precision_lists_valid_ones(tiny_ckpt):
+    with pytest.raises(ValueError, match="unknown precision 'tf64'.*auto, fp32, tf32, tf32x3, bf16x9"):
+        TCPETCalculator(tiny_ckpt, precision="tf64")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+def test_cuda_request_without_gpu_is_an_error(tiny_ckpt):
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        TCPETCalculator(tiny_ckpt, precision="fp32", device="cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+def test_auto_on_cpu_warns_and_uses_fp32(tiny_ckpt):
+    with pytest.warns(UserWarning, match="precision='auto' uses fp32: device 'cpu' has no tensor cores"):
+        calc = TCPETCalculator(tiny_ckpt, device="cpu")
+    assert calc.precision == "fp32"
+    assert "precision='fp32'" in repr(calc)
