@@ -86,9 +86,10 @@ class TCPETCalculator(Calculator):
             uncertainty_threshold=None,
             neighbor_skin=neighbor_skin,
         )
-        self.model_name = atomistic.metadata().name or (
-            model if isinstance(model, str) else type(model).__name__
-        )
+        if isinstance(model, torch.nn.Module):
+            self.model_name = atomistic.metadata().name or type(model).__name__
+        else:
+            self.model_name = os.path.basename(os.fspath(model))
 
     def __repr__(self) -> str:
         return (

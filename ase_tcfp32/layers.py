@@ -18,6 +18,11 @@ from .precision import PRECISIONS, check_name
 
 EMULATED = tuple(p for p in PRECISIONS if p != "fp32")
 
+MIN_EMULATED_K = 16
+"""FP32-emulating precisions leave layers with fewer inputs than this in FP32: at tiny
+K the split's dropped lo*lo term makes tf32x3 several times less accurate than FP32
+(measured 3-8x at K <= 5), and such GEMMs are memory-bound, so FP32 costs nothing."""
+
 
 class _TCLinearFunction(torch.autograd.Function):
     @staticmethod
@@ -135,19 +140,23 @@ def swap_linear_layers(module: nn.Module, precision: str) -> list[str]:
 
     Exact ``nn.Linear`` layers become :class:`TCLinear` (sharing parameters) and
     existing TCLinear layers change precision; ``"fp32"`` turns them all back into
-    ``nn.Linear`` (see also :func:`restore_linear_layers`). Idempotent. Subclasses of
-    ``nn.Linear`` other than TCLinear are left alone.
+    ``nn.Linear`` (see also :func:`restore_linear_layers`). Idempotent. For tf32x3 and
+    bf16x9, layers with fewer than :data:`MIN_EMULATED_K` inputs (PET's K=4 edge
+    embedder) stay FP32. Subclasses of ``nn.Linear`` other than TCLinear are left alone.
     """
     check_name(precision, allow_auto=False)
     changed = []
     for name, child in list(module.named_modules()):
+        keep_fp32 = precision == "fp32" or (
+            precision != "tf32" and isinstance(child, nn.Linear) and child.in_features < MIN_EMULATED_K
+        )
         if isinstance(child, TCLinear):
-            if precision == "fp32":
+            if keep_fp32:
                 _set_submodule(module, name, child.to_linear())
             else:
                 child.precision = precision
             changed.append(name)
-        elif type(child) is nn.Linear and precision != "fp32":
+        elif type(child) is nn.Linear and not keep_fp32:
             _set_submodule(module, name, TCLinear.from_linear(child, precision))
             changed.append(name)
     return changed

@@ -5,7 +5,7 @@ from ase import Atoms
 from ase.calculators.calculator import PropertyNotImplementedError
 from ase.filters import FrechetCellFilter
 from ase.md.langevin import Langevin
-from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
+from ase.md.velocitydistribution import thermalize_momenta
 from ase.md.verlet import VelocityVerlet
 from ase.optimize import BFGS, FIRE
 from ase.units import fs
@@ -93,7 +93,7 @@ def test_stress_matches_finite_differences(float64_calc, water):
 
 def test_md_and_optimisers_run(shipped, ethanol, tiny_ckpt, pt_bulk):
     ethanol.calc = TCPETCalculator(shipped("pet-v16"), precision="fp32", device="cpu")
-    MaxwellBoltzmannDistribution(ethanol, temperature_K=300, rng=np.random.default_rng(0))
+    thermalize_momenta(ethanol, temperature_K=300, rng=np.random.default_rng(0))
     start = ethanol.get_total_energy()
     VelocityVerlet(ethanol, timestep=0.5 * fs).run(10)
     assert abs(ethanol.get_total_energy() - start) < 0.05

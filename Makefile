@@ -1,0 +1,24 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test gpu-test clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) examples/md_water.py
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q tests
+
+gpu-test: $(VENV)/.installed
+	$(PY) -m pytest -q -m gpu tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis
