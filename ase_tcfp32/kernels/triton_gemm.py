@@ -1,0 +1,182 @@
+"""Triton GEMM kernels for tf32, tf32x3 and bf16x9 on Ampere and newer GPUs.
+
+``y[M, N] = x[M, K] @ w[N, K]^T (+ bias)`` with ``w`` pre-split into tensor-core words
+and stored K-major (``nn.Linear`` layout, as TF32 wgmma wants); ``x`` is split in
+registers with the same bit rules as :mod:`ase_tcfp32.kernels.split`. In each K-tile
+the small products go into a fresh accumulator, NaN corrections are dropped, hi*hi is
+added on top and the tile result joins the FP32 running sum (see ``reference.py``).
+The dX backward is the same kernel with the pre-split ``w^T``.
+
+Offsets are int64 (M up to ~1e7 rows), M is not specialised on (no recompilation as
+the number of atoms changes), and the tile shape is chosen from (N, K).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .split import round_tf32, split_bf16x3
+
+
+@triton.jit
+def _round_tf32(x):
+    """RNA to TF32 by bits; a finite x that would round to Inf is truncated instead."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = ((bits + 0x1000) & -8192).to(tl.float32, bitcast=True)
+    truncated = (bits & -8192).to(tl.float32, bitcast=True)
+    overflow = (tl.abs(rounded) == float("inf")) & (tl.abs(x) != float("inf"))
+    rounded = tl.where(overflow, truncated, rounded)
+    return tl.where(x != x, x, rounded)
+
+
+@triton.jit
+def _round_bf16(x):
+    """RNE to BF16; a finite x that would round to Inf is truncated instead."""
+    rounded = x.to(tl.bfloat16)
+    truncated = (x.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True).to(tl.bfloat16)
+    overflow = (tl.abs(rounded.to(tl.float32)) == float("inf")) & (tl.abs(x) != float("inf"))
+    return tl.where(overflow, truncated, rounded)
+
+
+@triton.jit
+def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped tile order: GROUP_M row-tiles share the W tiles in L2."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit(do_not_specialize=["M"])
+def _tf32_linear_kernel(
+    x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+    PASSES: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
+    rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+    rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    x_rows = x_ptr + rm[:, None] * stride_xm
+    w_cols = w_ptr + rn[None, :] * K  # w words: [PASSES > 1 ? 2 : 1, N, K]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        a = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        w_mask = (kk[:, None] < K) & (rn[None, :] < N)
+        b_hi = tl.load(w_cols + kk[:, None], mask=w_mask, other=0.0)
+        a_hi = _round_tf32(a)
+        if PASSES == 3:
+            b_lo = tl.load(w_cols + N * K + kk[:, None], mask=w_mask, other=0.0)
+            small = tl.dot(a - a_hi, b_hi, input_precision="tf32")
+            small = tl.dot(a_hi, b_lo, small, input_precision="tf32")
+            small = tl.where(small == small, small, 0.0)
+            acc += tl.dot(a_hi, b_hi, small, input_precision="tf32")
+        else:
+            acc = tl.dot(a_hi, b_hi, acc, input_precision="tf32")
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0)[None, :]
+    y_mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, mask=y_mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _bf16x9_linear_kernel(
+    x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+    HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
+    rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+    rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    x_rows = x_ptr + rm[:, None] * stride_xm
+    w_cols = w_ptr + rn[None, :] * K  # bf16 words: [3, N, K]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        a = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        w_mask = (kk[:, None] < K) & (rn[None, :] < N)
+        b0 = tl.load(w_cols + kk[:, None], mask=w_mask, other=0.0)
+        b1 = tl.load(w_cols + N * K + kk[:, None], mask=w_mask, other=0.0)
+        b2 = tl.load(w_cols + 2 * N * K + kk[:, None], mask=w_mask, other=0.0)
+        a0 = _round_bf16(a)
+        rest = a - a0.to(tl.float32)
+        a1 = _round_bf16(rest)
+        a2 = _round_bf16(rest - a1.to(tl.float32))
+        small = tl.dot(a2, b2)  # smallest products first, as in reference.SCHEMES
+        small = tl.dot(a2, b1, small)
+        small = tl.dot(a1, b2, small)
+        small = tl.dot(a2, b0, small)
+        small = tl.dot(a1, b1, small)
+        small = tl.dot(a0, b2, small)
+        small = tl.dot(a1, b0, small)
+        small = tl.dot(a0, b1, small)
+        small = tl.where(small == small, small, 0.0)
+        acc += tl.dot(a0, b0, small)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0)[None, :]
+    y_mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, mask=y_mask)
+
+
+def tile_config(n: int, k: int) -> dict:
+    """Tile shape and launch parameters for an output width ``n`` and depth ``k``."""
+    bn = min(128, max(16, triton.next_power_of_2(n)))
+    bk = 32 if k >= 32 else 16
+    return dict(BM=128, BN=bn, BK=bk, GROUP_M=8, num_warps=8 if bn >= 128 else 4, num_stages=3)
+
+
+def _launch(x: torch.Tensor, words: torch.Tensor, bias: torch.Tensor | None, precision: str) -> torch.Tensor:
+    m, k = x.shape
+    n = words.shape[1]
+    y = torch.empty((m, n), device=x.device, dtype=torch.float32)
+    if m == 0:
+        return y
+    if k == 0:
+        return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
+    config = tile_config(n, k)
+    grid = (triton.cdiv(m, config["BM"]) * triton.cdiv(n, config["BN"]),)
+    bias_arg = bias if bias is not None else y
+    common = (x, words, bias_arg, y, m, n, k, x.stride(0), y.stride(0))
+    if precision == "bf16x9":
+        _bf16x9_linear_kernel[grid](*common, HAS_BIAS=bias is not None, **config)
+    else:
+        passes = 3 if precision == "tf32x3" else 1
+        _tf32_linear_kernel[grid](*common, PASSES=passes, HAS_BIAS=bias is not None, **config)
+    return y
+
+
+class TritonBackend:
+    """Our Triton kernels, with the layer interface of every backend."""
+
+    name = "triton"
+
+    def __init__(self, precision: str):
+        self.precision = precision
+
+    def _words(self, w: torch.Tensor) -> torch.Tensor:
+        if self.precision == "tf32":
+            return round_tf32(w).unsqueeze(0)
+        if self.precision == "tf32x3":
+            hi = round_tf32(w)
+            return torch.stack([hi, w - hi])
+        return torch.stack(split_bf16x3(w)).to(torch.bfloat16)  # exact: the words are BF16
+
+    def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Words of ``weight`` [N, K] and of its transpose, each [words, rows, K]."""
+        weight = weight.detach().float()
+        return self._words(weight.contiguous()), self._words(weight.T.contiguous())
+
+    def forward(self, x: torch.Tensor, prepared, bias: torch.Tensor | None) -> torch.Tensor:
+        return _launch(x, prepared[0], None if bias is None else bias.detach().contiguous(), self.precision)
+
+    def grad_input(self, grad_y: torch.Tensor, prepared) -> torch.Tensor:
+        return _launch(grad_y, prepared[1], None, self.precision)

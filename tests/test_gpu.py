@@ -1,0 +1,161 @@
+"""GPU tests (run on the device; skipped without CUDA)."""
+
+import numpy as np
+import pytest
+import torch
+
+from ase_tcfp32 import TCPETCalculator, auto_precision
+from ase_tcfp32.kernels.reference import ReferenceBackend
+
+pytestmark = pytest.mark.gpu
+
+PRECISIONS = ["tf32", "tf32x3", "bf16x9"]
+
+
+def rel_error(y, exact):
+    return ((y.double() - exact).norm() / exact.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def triton_backends():
+    from ase_tcfp32.kernels.triton_gemm import TritonBackend
+
+    return {p: TritonBackend(p) for p in PRECISIONS}
+
+
+def run(backend, x, w, b=None):
+    return backend.forward(x, backend.prepare(w), b)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("shape", [(0, 64, 32), (1, 16, 4), (1003, 17, 33), (4099, 128, 384), (777, 1024, 257), (300, 2048, 2048), (5000, 256, 768)])
+def test_triton_matches_reference_and_fp64(triton_backends, precision, shape):
+    m, k, n = shape
+    g = torch.Generator(device="cuda").manual_seed(m + k + n)
+    x = torch.randn(m, k, device="cuda", generator=g)
+    w = torch.randn(n, k, device="cuda", generator=g)
+    b = torch.randn(n, device="cuda", generator=g)
+    y = run(triton_backends[precision], x, w, b)
+    ref = ReferenceBackend(precision)
+    y_ref = ref.forward(x, ref.prepare(w), b)
+    assert y.shape == (m, n)
+    if m == 0:
+        return
+    exact = x.double() @ w.double().T + b.double()
+    fp32 = rel_error(x @ w.T + b, exact)
+    err, err_ref = rel_error(y, exact), rel_error(y_ref, exact)
+    if precision == "tf32":
+        assert 1e-5 < err < 2e-3
+    else:
+        assert err <= max(2 * err_ref, 2 * fp32), (err, err_ref, fp32)
+        if k >= 256:
+            assert err <= fp32 * 1.05, (err, fp32)  # no worse than cuBLAS FP32
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_triton_backward_matches_fp64(triton_backends, precision):
+    backend = triton_backends[precision]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = torch.randn(768, 256, device="cuda", generator=g)
+    gy = torch.randn(20000, 768, device="cuda", generator=g)
+    dx = backend.grad_input(gy, backend.prepare(w))
+    exact = gy.double() @ w.double()
+    err = rel_error(dx, exact)
+    assert err < (2e-3 if precision == "tf32" else rel_error(gy @ w, exact) * 1.05)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_triton_inf_nan_propagate_like_torch(triton_backends, precision):
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(300, 100, device="cuda", generator=g)
+    w = torch.randn(50, 100, device="cuda", generator=g)
+    x[0, 3], x[1, 7], x[2, 0] = float("inf"), -float("inf"), float("nan")
+    w[4, 3] = 0.0
+    x[3, 10] = x[3, 11] = float("inf")
+    w[:, 11] = -w[:, 10]
+    y, expected = run(triton_backends[precision], x, w), x @ w.T
+    assert torch.equal(torch.isnan(y), torch.isnan(expected))
+    assert torch.equal(torch.isinf(y), torch.isinf(expected))
+    assert torch.equal(y[torch.isinf(expected)], expected[torch.isinf(expected)])
+
+
+def test_huge_m_uses_64_bit_offsets(triton_backends):
+    m = 10_000_000
+    x = torch.randn(m, 256, device="cuda")  # 10 GB: offsets past 2**31
+    w = torch.randn(16, 256, device="cuda")
+    y = run(triton_backends["tf32x3"], x, w)
+    rows = torch.tensor([0, 1, m // 2, m - 2, m - 1], device="cuda")
+    exact = x[rows].double() @ w.double().T
+    assert rel_error(y[rows], exact) < 1e-6
+
+
+def test_auto_picks_tf32x3_on_hopper_and_ampere():
+    major, _ = torch.cuda.get_device_capability()
+    if major not in (8, 9):
+        pytest.skip("table row for 8.x / 9.x")
+    assert auto_precision("cuda")[0] == "tf32x3"
+
+
+def test_cublas_bf16x9_call_reaches_cublas():
+    """The ctypes path runs, its strategy reaches the handle and is restored; on Hopper
+    cuBLAS ignores the emulated compute type and returns SGEMM's bits (measured)."""
+    from ase_tcfp32.kernels import cublas
+
+    handle = torch.cuda.current_blas_handle()
+    before = cublas.get_strategy(handle)
+    cublas.set_strategy(handle, cublas.STRATEGIES["eager"])
+    assert cublas.get_strategy(handle) == cublas.STRATEGIES["eager"]
+    cublas.set_strategy(handle, before)
+    x = torch.randn(513, 256, device="cuda")
+    w = torch.randn(130, 256, device="cuda")
+    y = cublas.gemm_bf16x9(x, w, transpose_b=True, strategy="eager")
+    assert cublas.get_strategy(handle) == before
+    dx = cublas.gemm_bf16x9(y, w, transpose_b=False)
+    exact = x.double() @ w.double().T
+    assert rel_error(y, exact) < 1e-6
+    assert rel_error(dx, y.double() @ w.double()) < 1e-6
+    if torch.cuda.get_device_capability() < (10, 0):
+        assert torch.equal(y, x @ w.T)
+
+
+@pytest.fixture(scope="module")
+def water192():
+    from ase_tcfp32.validation import water_box
+
+    return water_box(64, seed=0)
+
+
+def test_calculator_modes_on_gpu(tiny_ckpt, water192):
+    results = {}
+    for precision in ["fp32", "tf32", "tf32x3", "bf16x9"]:
+        atoms = water192.copy()
+        atoms.calc = TCPETCalculator(tiny_ckpt, precision=precision, device="cuda")
+        assert atoms.calc.backend == ("cuBLAS SGEMM" if precision == "fp32" else "triton")
+        results[precision] = (atoms.get_potential_energy(), atoms.get_forces(), atoms.get_stress())
+    e32, f32, s32 = results["fp32"]
+    for precision in ["tf32x3", "bf16x9"]:
+        e, f, s = results[precision]
+        assert abs(e - e32) / len(water192) < 2e-6
+        assert np.abs(f - f32).max() < 1e-5
+        assert np.abs(s - s32).max() < 1e-6
+    assert np.abs(results["tf32"][1] - f32).max() > 1e-4
+
+
+def test_tf32_mode_does_not_leak_and_fp32_stays_ieee(tiny_ckpt, water192):
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.fp32_precision
+    try:
+        atoms = water192.copy()
+        atoms.calc = TCPETCalculator(tiny_ckpt, precision="tf32", device="cuda")
+        atoms.get_forces()
+        assert matmul.fp32_precision == saved  # nothing switched process-wide
+        atoms = water192.copy()
+        atoms.calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cuda")
+        f_ieee = atoms.get_forces()
+        matmul.fp32_precision = "tf32"  # the user's own setting for other code
+        atoms = water192.copy()
+        atoms.calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cuda")
+        assert np.abs(atoms.get_forces() - f_ieee).max() < 1e-5  # TF32 would move them ~1e-3
+        assert matmul.fp32_precision == "tf32"
+    finally:
+        matmul.fp32_precision = saved
