@@ -65,10 +65,13 @@ def test_triton_backward_matches_fp64(triton_backends, precision):
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_triton_inf_nan_propagate_like_torch(triton_backends, precision):
+@pytest.mark.parametrize("inf_weight", [False, True])
+def test_triton_inf_nan_propagate_like_torch(triton_backends, precision, inf_weight):
     g = torch.Generator(device="cuda").manual_seed(2)
     x = torch.randn(300, 100, device="cuda", generator=g)
     w = torch.randn(50, 100, device="cuda", generator=g)
+    if inf_weight:
+        w[7, 50] = float("inf")
     x[0, 3], x[1, 7], x[2, 0] = float("inf"), -float("inf"), float("nan")
     w[4, 3] = 0.0
     x[3, 10] = x[3, 11] = float("inf")
@@ -136,7 +139,7 @@ def test_calculator_modes_on_gpu(tiny_ckpt, water192):
     for precision in ["tf32x3", "bf16x9"]:
         e, f, s = results[precision]
         assert abs(e - e32) / len(water192) < 2e-6
-        assert np.abs(f - f32).max() < 1e-5
+        assert np.abs(f - f32).max() < 3e-5  # FP32 itself varies ~1e-5 here (atomic scatter-adds)
         assert np.abs(s - s32).max() < 1e-6
     assert np.abs(results["tf32"][1] - f32).max() > 1e-4
 
