@@ -92,13 +92,38 @@ def environment() -> dict:
     }
 
 
+def markdown(results: dict) -> str:
+    """The speed-up and error table of a results JSON, as Markdown."""
+    kernels = [k for k in results["shapes"][0] if k.startswith(("cublas", "triton"))]
+    lines = [
+        "| model | atoms | layer | M x K x N | FP32 fwd ms | " + " | ".join(k.replace("_", " ") for k in kernels[1:]) + " |",
+        "|---|---|---|---|---|" + "---|" * (len(kernels) - 1),
+    ]
+    for row in results["shapes"]:
+        base = row["cublas_fp32"]
+        cells = [
+            f"{base['fwd_ms'] / row[k]['fwd_ms']:.2f} / {base['bwd_ms'] / row[k]['bwd_ms']:.2f}x, err {row[k]['err_fwd'] / base['err_fwd']:.2g}x"
+            for k in kernels[1:]
+        ]
+        lines.append(
+            f"| {row['model']} | {row['atoms']} | {row['layer']} | {row['M']}x{row['K']}x{row['N']} | "
+            f"{base['fwd_ms']:.3f} | " + " | ".join(cells) + " |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="s,m")
     parser.add_argument("--atoms", default="192,17280")
     parser.add_argument("--kernels", default="tf32,tf32x3,bf16x9")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--markdown", default=None, help="print the table of a results JSON and exit")
     args = parser.parse_args()
+    if args.markdown:
+        with open(args.markdown) as f:
+            print(markdown(json.load(f)))
+        return
     backends = {f"triton_{p}": TritonBackend(p) for p in args.kernels.split(",")}
     results = {"environment": environment(), "shapes": []}
     print(json.dumps(results["environment"]))

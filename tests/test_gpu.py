@@ -162,3 +162,13 @@ def test_tf32_mode_does_not_leak_and_fp32_stays_ieee(tiny_ckpt, water192):
         assert matmul.fp32_precision == "tf32"
     finally:
         matmul.fp32_precision = saved
+
+
+def test_gemms_too_small_for_the_gpu_use_cublas_fp32(triton_backends):
+    """192-atom node layers (16-48 tiles on 132 SMs) go to cuBLAS FP32 in FP32-accurate modes."""
+    x = torch.randn(192, 2048, device="cuda")
+    w = torch.randn(1024, 2048, device="cuda")
+    expected = x @ w.T
+    assert torch.equal(run(triton_backends["tf32x3"], x, w), expected)
+    assert torch.equal(run(triton_backends["bf16x9"], x, w), expected)
+    assert not torch.equal(run(triton_backends["tf32"], x, w), expected)  # single pass stays TF32

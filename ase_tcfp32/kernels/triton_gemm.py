@@ -8,11 +8,13 @@ added on top and the tile result joins the FP32 running sum (see ``reference.py`
 The dX backward is the same kernel with the pre-split ``w^T``.
 
 Offsets are int64 (M up to ~1e7 rows), M is not specialised on (no recompilation as
-the number of atoms changes), and the tile shape is chosen from (N, K).
+the number of atoms changes), and the tile shape is chosen from (N, K). GEMMs too small
+to fill the GPU go to cuBLAS FP32 in the FP32-accurate modes (:func:`fills_gpu`).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -150,11 +152,29 @@ def tile_config(n: int, k: int) -> dict:
 
 
 class Prepared(NamedTuple):
-    """A weight split once: words of w [words, N, K], of w^T [words, K, N], all finite?"""
+    """A weight [N, K] split once: words of w [words, N, K] and w^T [words, K, N]."""
 
+    weight: torch.Tensor
     forward: torch.Tensor
     backward: torch.Tensor
     finite: bool
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def fills_gpu(m: int, n: int, k: int, device: torch.device) -> bool:
+    """Whether an [m, n] output gives at least half as many tiles as the GPU has SMs.
+
+    Below that (PET's node layers at a few hundred atoms: 16-48 tiles of 128 x 128 on
+    132 SMs) the three-pass kernel measured 0.2-0.8x cuBLAS FP32 on H200, so the
+    FP32-accurate precisions use cuBLAS FP32 there; at 64+ tiles it measured >= 1.1x.
+    """
+    config = tile_config(n, k)
+    tiles = triton.cdiv(m, config["BM"]) * triton.cdiv(n, config["BN"])
+    return device.type != "cuda" or 2 * tiles >= _multiprocessors(device)
 
 
 def _launch(x: torch.Tensor, words: torch.Tensor, finite: bool, bias: torch.Tensor | None, precision: str) -> torch.Tensor:
@@ -197,11 +217,21 @@ class TritonBackend:
         """Words of ``weight`` [N, K] and of its transpose, each [words, rows, K]."""
         weight = weight.detach().float()
         finite = bool(torch.isfinite(weight).all())
-        return Prepared(self._words(weight.contiguous()), self._words(weight.T.contiguous()), finite)
+        weight = weight.contiguous()
+        return Prepared(weight, self._words(weight), self._words(weight.T.contiguous()), finite)
+
+    def _small(self, m: int, n: int, k: int, device: torch.device) -> bool:
+        return self.precision != "tf32" and not fills_gpu(m, n, k, device)
 
     def forward(self, x: torch.Tensor, prepared: Prepared, bias: torch.Tensor | None) -> torch.Tensor:
         bias = None if bias is None else bias.detach().contiguous()
+        n, k = prepared.weight.shape
+        if self._small(x.shape[0], n, k, x.device):
+            return torch.nn.functional.linear(x, prepared.weight, bias)
         return _launch(x, prepared.forward, prepared.finite, bias, self.precision)
 
     def grad_input(self, grad_y: torch.Tensor, prepared: Prepared) -> torch.Tensor:
+        n, k = prepared.weight.shape
+        if self._small(grad_y.shape[0], k, n, grad_y.device):
+            return grad_y @ prepared.weight
         return _launch(grad_y, prepared.backward, prepared.finite, None, self.precision)
