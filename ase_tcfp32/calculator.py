@@ -18,6 +18,7 @@ from ase.data import chemical_symbols
 from .layers import swap_linear_layers
 from .models import load_pet
 from .precision import check_name, ieee_fp32_matmul, resolve_precision, support
+from .tcmodel import tensor_core
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -37,6 +38,15 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return device
 
 
+def _emulation_setup(emulate: str, precision: str, device) -> tuple[torch.device, str]:
+    tensor_core(emulate)  # an unknown GPU name fails here, listing the presets
+    if precision not in ("tf32", "tf32x3", "bf16x9"):
+        raise ValueError(f"emulate={emulate!r} needs precision 'tf32', 'tf32x3' or 'bf16x9', not {precision!r}")
+    if device is not None and torch.device(device).type != "cpu":
+        raise ValueError(f"emulate={emulate!r} runs the tensor-core model on CPU; pass device='cpu' or None")
+    return torch.device("cpu"), precision
+
+
 class TCPETCalculator(Calculator):
     """PET / PET-MAD in ASE with FP32-accurate tensor-core matrix products.
 
@@ -48,6 +58,9 @@ class TCPETCalculator(Calculator):
     :param precision: ``"auto"``, ``"fp32"``, ``"tf32"``, ``"tf32x3"`` or ``"bf16x9"``
         (see :mod:`ase_tcfp32.precision`).
     :param device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``; default CUDA when available.
+    :param emulate: a GPU name (``"A100"``, ``"H100"``, ``"B200"``... see
+        :mod:`ase_tcfp32.tcmodel`): compute on CPU, bit for bit, what that GPU's tensor cores
+        give for ``precision`` (slow; for previews of small systems).
     :param neighbor_skin: Verlet skin in Å of the cached neighbour lists.
 
     Units: energy eV, forces eV/Å, stress eV/Å³ in Voigt order (xx, yy, zz, yz, xz, xy),
@@ -63,19 +76,25 @@ class TCPETCalculator(Calculator):
         version: str = "latest",
         precision: str = "auto",
         device: str | torch.device | None = None,
+        emulate: str | None = None,
         neighbor_skin: float = 2.0,
         **kwargs,
     ):
         super().__init__(**kwargs)
         check_name(precision)
-        self.device = resolve_device(device)
-        self.precision = resolve_precision(precision, self.device)
-        self.backend = support(self.precision, self.device).backend
+        if emulate is None:
+            self.device = resolve_device(device)
+            self.precision = resolve_precision(precision, self.device)
+            self.backend = support(self.precision, self.device).backend
+        else:
+            self.device, self.precision = _emulation_setup(emulate, precision, device)
+            self.backend = f"tcmodel:{tensor_core(emulate).name}"
+        self.emulate = emulate
 
         from metatomic_ase import MetatomicCalculator
 
         self.pet = load_pet(model, version)
-        swap_linear_layers(self.pet, self.precision)
+        swap_linear_layers(self.pet, self.precision, emulate=emulate)
         self.atomic_types = frozenset(int(t) for t in self.pet.atomic_types)
         self.cutoff = float(self.pet.cutoff)
         atomistic = self.pet.export().eval()

@@ -26,7 +26,7 @@ K the split's dropped lo*lo term makes tf32x3 several times less accurate than F
 
 class _TCLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, backend, prepared):
+    def forward(ctx, x, weight, bias, backend, prepared):  # noqa: D102
         ctx.backend, ctx.prepared = backend, prepared
         ctx.save_for_backward(x if weight.requires_grad else None)
         return backend.forward(x, prepared, bias)
@@ -51,17 +51,20 @@ def tc_linear(
     bias: torch.Tensor | None = None,
     precision: str = "tf32x3",
     prepared: object | None = None,
+    emulate: str | None = None,
 ) -> torch.Tensor:
     """Functional twin of :class:`TCLinear`: ``input @ weight.T + bias`` in ``precision``.
 
     ``input`` [..., K] and ``weight`` [N, K] are float32; returns [..., N].
     ``prepared`` is the backend's split of ``weight``, made here if not given.
+    ``emulate`` names a GPU (``"A100"``, ``"H100"``...) whose tensor cores the
+    bit-accurate model of :mod:`ase_tcfp32.tcmodel` imitates (slow, CPU).
     """
     if precision not in EMULATED:
         raise ValueError(f"tc_linear needs one of {', '.join(EMULATED)}, got {precision!r}")
     if input.dtype != torch.float32 or weight.dtype != torch.float32:
         raise TypeError(f"tc_linear needs float32 tensors, got {input.dtype} and {weight.dtype}")
-    backend = get_backend(precision, input.device)
+    backend = get_backend(precision, input.device, emulate)
     if prepared is None:
         prepared = backend.prepare(weight)
     x2d = input.reshape(-1, input.shape[-1])
@@ -83,9 +86,11 @@ class TCLinear(nn.Linear):
         dtype=None,
         *,
         precision: str = "tf32x3",
+        emulate: str | None = None,
     ):
         super().__init__(in_features, out_features, bias, device, dtype)
         self.precision = precision
+        self.emulate = emulate
         self._cache_key: tuple | None = None
         self._prepared: object | None = None
 
@@ -100,14 +105,24 @@ class TCLinear(nn.Linear):
         self._precision = value
         self._cache_key = None
 
+    @property
+    def emulate(self) -> str | None:
+        return self._emulate
+
+    @emulate.setter
+    def emulate(self, value: str | None) -> None:
+        self._emulate = value
+        self._cache_key = None
+
     @classmethod
-    def from_linear(cls, linear: nn.Linear, precision: str) -> "TCLinear":
+    def from_linear(cls, linear: nn.Linear, precision: str, emulate: str | None = None) -> "TCLinear":
         """A TCLinear sharing ``linear``'s parameters (no copy)."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.in_features, layer.out_features = linear.in_features, linear.out_features
         layer.weight, layer.bias = linear.weight, linear.bias
         layer.precision = precision
+        layer.emulate = emulate
         return layer
 
     def to_linear(self) -> nn.Linear:
@@ -121,22 +136,25 @@ class TCLinear(nn.Linear):
     def prepared_weight(self, device: torch.device) -> object:
         """The backend's split of the weight, redone when the weight or device changes."""
         w = self.weight
-        key = (self._precision, device, w.data_ptr(), w._version, w.shape)
+        key = (self._precision, self._emulate, device, w.data_ptr(), w._version, w.shape)
         if key != self._cache_key:
-            self._prepared = get_backend(self._precision, device).prepare(w)
+            self._prepared = get_backend(self._precision, device, self._emulate).prepare(w)
             self._cache_key = key
         return self._prepared
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         prepared = self.prepared_weight(input.device)
-        return tc_linear(input, self.weight, self.bias, self._precision, prepared)
+        return tc_linear(input, self.weight, self.bias, self._precision, prepared, self._emulate)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, precision={self._precision}"
+        emulate = f", emulate={self._emulate}" if self._emulate else ""
+        return f"{super().extra_repr()}, precision={self._precision}{emulate}"
 
 
-def swap_linear_layers(module: nn.Module, precision: str) -> list[str]:
+def swap_linear_layers(module: nn.Module, precision: str, *, emulate: str | None = None) -> list[str]:
     """Make every Linear layer of ``module`` compute in ``precision``; return their names.
+
+    ``emulate`` runs the layers through the tensor-core model of that GPU (CPU only).
 
     Exact ``nn.Linear`` layers become :class:`TCLinear` (sharing parameters) and
     existing TCLinear layers change precision; ``"fp32"`` turns them all back into
@@ -154,10 +172,10 @@ def swap_linear_layers(module: nn.Module, precision: str) -> list[str]:
             if keep_fp32:
                 _set_submodule(module, name, child.to_linear())
             else:
-                child.precision = precision
+                child.precision, child.emulate = precision, emulate
             changed.append(name)
         elif type(child) is nn.Linear and not keep_fp32:
-            _set_submodule(module, name, TCLinear.from_linear(child, precision))
+            _set_submodule(module, name, TCLinear.from_linear(child, precision, emulate))
             changed.append(name)
     return changed
 

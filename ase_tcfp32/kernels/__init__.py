@@ -33,8 +33,13 @@ __all__ = [
 
 
 @functools.lru_cache(maxsize=None)
-def get_backend(precision: str, device: torch.device):
-    """The backend that computes ``precision`` on ``device``."""
+def get_backend(precision: str, device: torch.device, emulate: str | None = None):
+    """The backend that computes ``precision`` on ``device``, or the tensor-core model of
+    GPU ``emulate`` (on CPU) when given."""
+    if emulate is not None:
+        from ..tcmodel import TCModelBackend
+
+        return TCModelBackend(precision, emulate)
     backend = support(precision, device).backend
     if backend == "reference":
         return ReferenceBackend(precision)

@@ -1,0 +1,100 @@
+"""Our FP32-emulating GEMMs as a given GPU generation's tensor cores compute them.
+
+The schemes follow the package's Triton kernels step by step: operands split with
+:mod:`ase_tcfp32.kernels.split` (TF32 ``lo`` words truncated, as the hardware reads only
+their top 19 bits), along K tiles of 32 columns; in each tile the small products chain
+through a fresh tensor-core accumulator, NaN corrections are dropped, hi*hi chains on top,
+and the tile result joins the running sum with an IEEE FP32 addition. Single-pass ``tf32``
+is one chain over all of K. Each chain runs the bit-accurate block FMA of ``gpu``.
+
+On Blackwell the package runs BF16x9 through cuBLAS, whose internal order is not
+published: there the preview shows what our Triton BF16x9 kernel would compute.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..kernels.reference import SCHEMES
+from .core import TILE_ELEMENTS, _chain, map_row_tiles
+from .presets import TensorCore, tensor_core
+
+BLOCK_K = 32
+"""K-tile of the Triton kernels (``tile_config``)."""
+
+_IN_FMT = {"tf32": "tf32", "tf32x3": "tf32", "bf16x9": "bf16"}
+
+
+def _words(x: np.ndarray, precision: str) -> list[np.ndarray]:
+    """Tensor-core words of FP32 values, as float64 arrays."""
+    words = SCHEMES[precision].words(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)))
+    return [w.numpy().astype(np.float64) for w in words]
+
+
+def emulated_matmul(
+    x: np.ndarray, w: np.ndarray, precision: str, gpu: str | TensorCore = "H100", *, progress=None
+) -> np.ndarray:
+    """``x @ w.T`` (FP32 ``x`` [M, K], ``w`` [N, K]) in ``precision`` on ``gpu``, as float32."""
+    params = tensor_core(gpu).params(_IN_FMT[precision])
+    scheme = SCHEMES[precision]
+    fmt = _IN_FMT[precision]
+    x_words = _words(x, precision)
+    w_words = [word.T.copy() for word in _words(w, precision)]  # [K, N]
+    m, k = x.shape
+    n = w.shape[0]
+
+    def rows(r: slice) -> np.ndarray:
+        xs = [word[r] for word in x_words]
+        zero = np.zeros((xs[0].shape[0], n))
+        if not scheme.small:
+            return _chain(xs[0], w_words[0], zero, params, fmt, "fp32").astype(np.float32)
+        acc = zero.astype(np.float32)
+        for k0 in range(0, k, BLOCK_K):
+            tile = slice(k0, k0 + BLOCK_K)
+            small = zero
+            for i, j in scheme.small:
+                small = _chain(xs[i][:, tile], w_words[j][tile], small, params, fmt, "fp32")
+            small = np.where(np.isnan(small), 0.0, small)
+            block = _chain(xs[0][:, tile], w_words[0][tile], small, params, fmt, "fp32")
+            acc = acc + block.astype(np.float32)  # the FP32 running sum, IEEE round to nearest
+        return acc
+
+    tile_rows = max(1, TILE_ELEMENTS // max(1, n * params.block))
+    return map_row_tiles(rows, m, n, tile_rows, progress).astype(np.float32)
+
+
+class TCModelBackend:
+    """The tensor-core model of ``gpu`` as a backend of the precision layer (CPU, slow)."""
+
+    def __init__(self, precision: str, gpu: str | TensorCore):
+        if precision not in _IN_FMT:
+            raise ValueError(f"emulation models tf32, tf32x3 and bf16x9, not {precision!r}")
+        self.precision = precision
+        self.gpu = tensor_core(gpu)
+        self.name = f"tcmodel:{self.gpu.name}"
+
+    def prepare(self, weight: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        w = weight.detach().cpu().float().numpy()
+        return w, np.ascontiguousarray(w.T)
+
+    def _run(self, x: torch.Tensor, w: np.ndarray) -> torch.Tensor:
+        m, n = x.shape[0], w.shape[0]
+        work = m * n * x.shape[1] * (len(SCHEMES[self.precision].small) + 1)
+        progress = None
+        if work > 2e8:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=m, desc=f"{self.name} {self.precision} {m}x{x.shape[1]}x{n}", unit="row", leave=False)
+            progress = bar.update
+        y = emulated_matmul(x.detach().cpu().numpy(), w, self.precision, self.gpu, progress=progress)
+        if progress is not None:
+            bar.close()
+        return torch.from_numpy(y).to(x.device)
+
+    def forward(self, x: torch.Tensor, prepared, bias: torch.Tensor | None) -> torch.Tensor:
+        y = self._run(x, prepared[0])
+        return y if bias is None else y + bias
+
+    def grad_input(self, grad_y: torch.Tensor, prepared) -> torch.Tensor:
+        return self._run(grad_y, prepared[1])
