@@ -1,0 +1,80 @@
+"""Command line: ``ase-tcfp32 validate TEST ...`` and ``ase-tcfp32 info``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .precision import PRECISIONS
+
+
+def _validate(args) -> None:
+    from .validation import report
+    from .validation.common import resolve_model
+
+    precisions = args.precisions.split(",")
+    for p in precisions:
+        if p not in PRECISIONS:
+            raise SystemExit(f"unknown precision {p!r}; valid: {', '.join(PRECISIONS)}")
+    model = resolve_model(args.model)
+    if args.test == "all":
+        report.run_all(model, precisions, args.device, args.out, args.quick)
+        print(f"report: {args.out}/report.md")
+    else:
+        report.run(args.test, model, precisions, args.device, args.out, args.quick)
+
+
+def _info(args) -> None:
+    import platform
+
+    import torch
+
+    from .models import cached_checkpoints, known_models
+    from .precision import auto_precision, available_precisions
+
+    print(f"python {platform.python_version()}, torch {torch.__version__}")
+    try:
+        import triton
+
+        print(f"triton {triton.__version__}")
+    except ImportError:
+        print("triton: not installed (GPU kernels unavailable)")
+    devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if torch.cuda.is_available():
+        print(f"CUDA {torch.version.cuda}, cuBLAS {torch.backends.cuda.preferred_blas_library()}")
+    for device in devices:
+        name = torch.cuda.get_device_name(device) if device != "cpu" else platform.processor() or platform.machine()
+        extra = ""
+        if device != "cpu":
+            cc = torch.cuda.get_device_capability(device)
+            extra = f", compute capability {cc[0]}.{cc[1]}"
+        print(f"\n{device}: {name}{extra}")
+        for row in available_precisions(device):
+            mark = "yes" if row.available else "no "
+            print(f"  {row.precision:7} {mark}  {row.backend:14} {row.note}")
+        chosen, why = auto_precision(device)
+        print(f"  auto -> {chosen}: {why}")
+    cached = cached_checkpoints()
+    print("\nmodels by name (uPET):", ", ".join(known_models()))
+    print("cached locally:", ", ".join(f"{n} v{v}" for n, vs in cached.items() for v, _ in vs) or "none")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="ase-tcfp32", description="PET in ASE with FP32-accurate tensor-core GEMMs")
+    commands = parser.add_subparsers(dest="command", required=True)
+    validate = commands.add_parser("validate", help="fidelity tests of the precision modes")
+    validate.add_argument("test", choices=["single-point", "smoothness", "nve", "relax", "speed", "all"])
+    validate.add_argument("--model", required=True, help="uPET name, checkpoint path, or random:<tiny|xs|s|m>")
+    validate.add_argument("--precisions", default="fp32,tf32,tf32x3,bf16x9")
+    validate.add_argument("--device", default=None)
+    validate.add_argument("--out", default="validation")
+    validate.add_argument("--quick", action="store_true", help="small systems and short runs (CI, laptops)")
+    validate.set_defaults(func=_validate)
+    info = commands.add_parser("info", help="versions, GPUs, precisions and what auto picks")
+    info.set_defaults(func=_info)
+    args = parser.parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,77 @@
+"""What the validation tests share: calculators per precision, output files, tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..calculator import TCPETCalculator
+from ..models import load_pet, random_pet
+
+
+def resolve_model(model: str) -> str:
+    """A checkpoint path for ``model``; ``"random:<shape>"`` builds a random-weight PET
+    with PET-MAD shapes (``tiny``, ``xs``, ``s``, ``m``) for arithmetic-only checks."""
+    if not model.startswith("random:"):
+        return model
+    shape = model.split(":", 1)[1]
+    path = Path(tempfile.gettempdir()) / f"ase-tcfp32-random-{shape}.ckpt"
+    if not path.exists():
+        torch.save(random_pet(shape, seed=0).get_checkpoint(), path)
+    return str(path)
+
+
+def calculator(model: str, precision: str, device: str | None) -> TCPETCalculator:
+    """A calculator for ``precision``; ``"fp64"`` is the FP32 path on a float64 model."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # emulation and fallback notes: the report says it
+        if precision == "fp64":
+            return TCPETCalculator(load_pet(model).to(torch.float64), precision="fp32", device=device)
+        return TCPETCalculator(model, precision=precision, device=device)
+
+
+def environment(device: str | None) -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine()}
+    if torch.cuda.is_available() and (device is None or str(device).startswith("cuda")):
+        env["gpu"] = torch.cuda.get_device_name()
+        env["compute_capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+        env["cuda"] = torch.version.cuda
+        try:
+            import triton
+
+            env["triton"] = triton.__version__
+        except ImportError:
+            pass
+    else:
+        env["cpu_threads"] = torch.get_num_threads()
+    return env
+
+
+def write(out: str | os.PathLike, name: str, results: dict, figure=None) -> dict:
+    """Write ``<name>.json`` (and ``<name>.png``) into ``out``; return ``results``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"test": name, "date": time.strftime("%Y-%m-%d %H:%M:%S"), **results}
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1, default=float))
+    if figure is not None:
+        figure.savefig(out / f"{name}.png", dpi=120, bbox_inches="tight")
+        import matplotlib.pyplot as plt
+
+        plt.close(figure)
+    return results
+
+
+def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """A plain-text table; ``columns`` are (key, header, format)."""
+    cells = [[h for _, h, _ in columns]] + [
+        [("" if row.get(k) is None else format(row[k], f)) for k, _, f in columns] for row in rows
+    ]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells)

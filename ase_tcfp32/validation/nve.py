@@ -1,0 +1,77 @@
+"""Total-energy drift of NVE velocity Verlet per precision."""
+
+from __future__ import annotations
+
+import numpy as np
+from ase.md.velocitydistribution import Stationary, thermalize_momenta
+from ase.md.verlet import VelocityVerlet
+from ase.units import fs
+from tqdm.auto import tqdm
+
+from .common import calculator, environment, table, write
+from .systems import water_box
+
+
+def run(model: str, precisions: list[str], device=None, out="validation", ps=30.0, timestep_fs=0.5,
+        molecules=64, temperature_K=300.0, seed=0, every=10) -> dict:  # fmt: skip
+    """NVE of a water box (``molecules`` H2O) for ``ps`` picoseconds from the same start.
+
+    Drift: slope of a linear fit of E_tot(t), eV/atom/ps; fluctuation: std of the residual.
+    Pass: |drift| <= 2 x FP32's |drift| (+ the fit's standard error).
+    """
+    steps = int(round(ps * 1000 / timestep_fs))
+    start = water_box(molecules, seed=seed)
+    thermalize_momenta(start, temperature_K=temperature_K, rng=np.random.default_rng(seed))
+    Stationary(start)
+    traces, rows = {}, []
+    for precision in precisions:
+        atoms = start.copy()
+        atoms.calc = calculator(model, precision, device)
+        dyn = VelocityVerlet(atoms, timestep=timestep_fs * fs)
+        times, energies = [], []
+        bar = tqdm(total=steps, desc=f"NVE {precision}", leave=False)
+
+        def record():
+            times.append(dyn.nsteps * timestep_fs / 1000)
+            energies.append(atoms.get_total_energy() / len(atoms))
+            bar.update(every if dyn.nsteps else 0)
+
+        dyn.attach(record, interval=every)
+        dyn.run(steps)
+        bar.close()
+        t, e = np.array(times), np.array(energies)
+        (slope, intercept), cov = np.polyfit(t, e, 1, cov=True) if len(t) > 3 else ((np.nan, np.nan), np.full((2, 2), np.nan))
+        rows.append({
+            "precision": precision, "drift_eV_atom_ps": float(slope), "drift_stderr": float(np.sqrt(cov[0, 0])),
+            "fluctuation_eV_atom": float(np.std(e - (slope * t + intercept))), "finite": bool(np.all(np.isfinite(e))),
+        })  # fmt: skip
+        traces[precision] = (t, e)
+    reference = next((r for r in rows if r["precision"] == "fp32"), None)
+    for row in rows:
+        if reference and row["precision"] not in ("fp32", "tf32"):
+            bound = 2 * abs(reference["drift_eV_atom_ps"]) + 2 * row["drift_stderr"]
+            row["passed"] = bool(row["finite"] and abs(row["drift_eV_atom_ps"]) <= bound)
+    figure = _plot(traces)
+    results = write(out, "nve", {
+        "model": model, "environment": environment(device), "atoms": len(start), "ps": ps, "timestep_fs": timestep_fs,
+        "rows": rows, "traces": {p: {"t_ps": t.tolist(), "e_tot_eV_atom": e.tolist()} for p, (t, e) in traces.items()},
+    }, figure)  # fmt: skip
+    print(f"NVE, {len(start)} water atoms, {ps} ps at {timestep_fs} fs")
+    print(table(rows, [("precision", "precision", "s"), ("drift_eV_atom_ps", "drift (eV/atom/ps)", ".2e"),
+                       ("drift_stderr", "+-", ".1e"), ("fluctuation_eV_atom", "fluct. (eV/atom)", ".2e"), ("passed", "pass", "")]))  # fmt: skip
+    return results
+
+
+def _plot(traces):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, ax = plt.subplots(figsize=(6, 3.6))
+    for precision, (t, e) in traces.items():
+        ax.plot(t, e - e[0], label=precision)
+    ax.set_xlabel("time (ps)")
+    ax.set_ylabel("E_tot - E_tot(0) (eV/atom)")
+    ax.legend()
+    return figure

@@ -1,0 +1,96 @@
+import json
+
+import numpy as np
+import pytest
+
+from ase_tcfp32.cli import main
+from ase_tcfp32.validation import cantor_slab, co_on_pt111, water_box
+from ase_tcfp32.validation import report
+
+
+def test_builders():
+    water = water_box(64, seed=0)
+    assert len(water) == 192 and water.get_chemical_formula() == "H128O64"
+    assert water.get_volume() == pytest.approx(64 * 18.015 / 6.02214076e23 * 1e24, rel=1e-6)  # 1 g/cm³
+    slab = cantor_slab(seed=3)
+    assert len(slab) == 539 and slab.get_chemical_formula() == "Co108Cr108Fe108Mn107Ni108"
+    assert not np.array_equal(slab.numbers, cantor_slab(seed=4).numbers)
+    co = co_on_pt111(2.5)
+    top_pt = co.positions[co.numbers == 78, 2].max()
+    assert co.positions[-2, 2] - top_pt == pytest.approx(2.5)
+    assert co.get_chemical_symbols()[-2:] == ["C", "O"]
+
+
+@pytest.fixture(scope="module")
+def quick_suite(tmp_path_factory):
+    out = tmp_path_factory.mktemp("validation")
+    main(["validate", "all", "--model", "random:tiny", "--quick", "--out", str(out), "--device", "cpu"])
+    return out
+
+
+def load(out, name):
+    return json.loads((out / f"{name}.json").read_text())
+
+
+def rows_by_precision(rows):
+    return {r["precision"]: r for r in rows}
+
+
+def test_every_test_writes_json_plot_and_the_report(quick_suite):
+    for name in report.TESTS:
+        assert (quick_suite / f"{name}.json").exists() and (quick_suite / f"{name}.png").stat().st_size > 1000
+    text = (quick_suite / "report.md").read_text()
+    assert "## smoothness" in text and "![nve](nve.png)" in text
+
+
+def test_single_point_fp32_accurate_modes_pass_and_tf32_does_not_meet_them(quick_suite):
+    rows = rows_by_precision(load(quick_suite, "single-point")["systems"][0]["rows"])
+    assert rows["tf32x3"]["passed"] and rows["bf16x9"]["passed"]
+    assert rows["tf32"]["vs_fp32_force_rms"] > 100 * rows["fp32 noise"]["vs_fp32_force_rms"]
+
+
+def test_smoothness_separates_single_pass_tf32(quick_suite):
+    rows = rows_by_precision(load(quick_suite, "smoothness")["rows"])
+    assert rows["tf32x3"]["passed"] and rows["bf16x9"]["passed"]
+    assert rows["tf32"]["roughness"] > 20 * rows["fp32"]["roughness"]
+
+
+def test_nve_runs_and_tracks_fp32(quick_suite):
+    result = load(quick_suite, "nve")
+    traces = result["traces"]
+    assert all(r["finite"] for r in result["rows"])
+    e32, e3 = np.array(traces["fp32"]["e_tot_eV_atom"]), np.array(traces["tf32x3"]["e_tot_eV_atom"])
+    assert len(e32) == 21 and np.abs(e3 - e32).max() < 1e-5  # 100 steps, recorded every 5
+
+
+def test_relax_trajectories_agree_at_the_start(quick_suite):
+    runs = load(quick_suite, "relax")["runs"]
+    f32 = np.array(runs["fp32"][0]["fmax_trace"][:10])
+    for precision in ("tf32x3", "bf16x9"):
+        assert np.allclose(runs[precision][0]["fmax_trace"][:10], f32, rtol=1e-4)
+
+
+def test_speed_reports_every_precision_against_fp32(quick_suite):
+    rows = rows_by_precision(load(quick_suite, "speed")["systems"][0]["rows"])
+    assert set(rows) == {"fp32", "tf32", "tf32x3", "bf16x9"}
+    assert rows["fp32"]["speedup"] == 1.0 and rows["tf32x3"]["backend"] == "reference"
+
+
+def test_api_runs_one_test_and_rejects_unknown_names(tmp_path):
+    from ase_tcfp32.validation.common import resolve_model
+
+    result = report.run("single-point", resolve_model("random:tiny"), ["fp32", "tf32x3"], "cpu", tmp_path, quick=True)
+    assert result["test"] == "single-point"
+    with pytest.raises(ValueError, match="unknown validation test 'nvt'"):
+        report.run("nvt", "x", ["fp32"])
+
+
+def test_cli_rejects_unknown_precision(capsys):
+    with pytest.raises(SystemExit, match="unknown precision 'fp16'"):
+        main(["validate", "nve", "--model", "random:tiny", "--precisions", "fp32,fp16"])
+
+
+def test_info_lists_precisions_and_auto(capsys):
+    main(["info"])
+    out = capsys.readouterr().out
+    assert "auto -> fp32" in out and "tf32x3" in out and "pet-mad-s" in out
