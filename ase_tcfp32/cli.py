@@ -17,11 +17,18 @@ def _validate(args) -> None:
         if p not in PRECISIONS:
             raise SystemExit(f"unknown precision {p!r}; valid: {', '.join(PRECISIONS)}")
     model = resolve_model(args.model)
+    options = {"nve": {}, "relax": {}}
+    if args.nve_ps is not None:
+        options["nve"]["ps"] = args.nve_ps
+    if args.relax_steps is not None:
+        options["relax"]["max_steps"] = args.relax_steps
+    if args.relax_repeats is not None:
+        options["relax"]["repeats"] = args.relax_repeats
     if args.test == "all":
-        report.run_all(model, precisions, args.device, args.out, args.quick)
+        report.run_all(model, precisions, args.device, args.out, args.quick, options)
         print(f"report: {args.out}/report.md")
     else:
-        report.run(args.test, model, precisions, args.device, args.out, args.quick)
+        report.run(args.test, model, precisions, args.device, args.out, args.quick, **options.get(args.test, {}))
 
 
 def _info(args) -> None:
@@ -69,6 +76,9 @@ def main(argv: list[str] | None = None) -> None:
     validate.add_argument("--device", default=None)
     validate.add_argument("--out", default="validation")
     validate.add_argument("--quick", action="store_true", help="small systems and short runs (CI, laptops)")
+    validate.add_argument("--nve-ps", type=float, default=None, help="NVE length in ps (default 30)")
+    validate.add_argument("--relax-steps", type=int, default=None, help="FIRE step limit (default 500)")
+    validate.add_argument("--relax-repeats", type=int, default=None, help="FIRE repeats (default 3)")
     validate.set_defaults(func=_validate)
     info = commands.add_parser("info", help="versions, GPUs, precisions and what auto picks")
     info.set_defaults(func=_info)
