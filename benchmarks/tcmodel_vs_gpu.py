@@ -1,0 +1,47 @@
+"""Does the tensor-core model predict our Triton kernels' bits on this GPU?
+
+    python benchmarks/tcmodel_vs_gpu.py [--gpu-model H100]
+
+Runs each kernel on the GPU and the model of ``--gpu-model`` (and of A100, for contrast)
+on the CPU with the same inputs; prints the share of bit-identical outputs and the
+largest difference in units of the last place.
+"""
+
+import argparse
+import json
+
+import numpy as np
+import torch
+
+from ase_tcfp32.kernels.triton_gemm import TritonBackend
+from ase_tcfp32.tcmodel import emulated_matmul
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu-model", default="H100")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    results = {"gpu": torch.cuda.get_device_name(), "rows": []}
+    for m, k, n in [(256, 256, 128), (300, 520, 136)]:
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        for precision in ("tf32", "tf32x3", "bf16x9"):
+            backend = TritonBackend(precision)
+            xt, wt = torch.from_numpy(x).cuda(), torch.from_numpy(w).cuda()
+            gpu = backend.forward(xt, backend.prepare(wt), None).cpu().numpy()
+            for model in (args.gpu_model, "A100"):
+                predicted = emulated_matmul(x, w, precision, model)
+                same = float(np.mean(predicted.view(np.uint32) == gpu.view(np.uint32)))
+                ulp = int(np.abs(predicted.view(np.int32).astype(np.int64) - gpu.view(np.int32).astype(np.int64)).max())
+                row = {"shape": f"{m}x{k}x{n}", "precision": precision, "model": model, "identical": same, "max_ulp": ulp}
+                results["rows"].append(row)
+                print(json.dumps(row), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
