@@ -26,7 +26,7 @@ def main():
     for m, k, n in SHAPES:
         x = torch.randn(m, k, device="cuda")
         w = torch.randn(n, k, device="cuda")
-        words = backend.prepare(w).forward
+        words = backend.prepare(w).forward.words
         y = torch.empty(m, n, device="cuda")
         base = do_bench(lambda: x @ w.T, return_mode="median")
         print(f"{m}x{k}x{n}: cuBLAS FP32 {base:.3f} ms", flush=True)

@@ -9,12 +9,11 @@ The dX backward is the same kernel with the pre-split ``w^T``.
 
 Offsets are int64 (M up to ~1e7 rows), M is not specialised on (no recompilation as
 the number of atoms changes), and the tile shape is chosen from (N, K). GEMMs too small
-to fill the GPU go to cuBLAS FP32 in the FP32-accurate modes (:func:`fills_gpu`).
+to fill the GPU go to cuBLAS FP32 in the FP32-accurate modes (:func:`min_rows`).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -151,54 +150,64 @@ def tile_config(n: int, k: int) -> dict:
     return dict(BM=128, BN=bn, BK=bk, GROUP_M=8, num_warps=8 if bn >= 128 else 4, num_stages=3)
 
 
+class Gemm(NamedTuple):
+    """One direction of a split weight: words [words, N, K], launch config, dispatch."""
+
+    words: torch.Tensor
+    config: dict
+    tiles_n: int
+    min_rows: int  # fewer rows than this go to cuBLAS FP32 (see min_rows)
+
+
 class Prepared(NamedTuple):
-    """A weight [N, K] split once: words of w [words, N, K] and w^T [words, K, N]."""
+    """A weight [N, K] split once, for y = x w^T (forward) and dx = dy w (backward)."""
 
     weight: torch.Tensor
-    forward: torch.Tensor
-    backward: torch.Tensor
+    forward: Gemm
+    backward: Gemm
     finite: bool
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def fills_gpu(m: int, n: int, k: int, device: torch.device) -> bool:
-    """Whether an [m, n] output gives at least half as many tiles as the GPU has SMs.
+def min_rows(n: int, k: int, device: torch.device) -> int:
+    """Rows from which an [M, n] output fills at least half of the GPU's SMs with tiles.
 
     Below that (PET's node layers at a few hundred atoms: 16-48 tiles of 128 x 128 on
     132 SMs) the three-pass kernel measured 0.2-0.8x cuBLAS FP32 on H200, so the
     FP32-accurate precisions use cuBLAS FP32 there; at 64+ tiles it measured >= 1.1x.
     """
+    if device.type != "cuda":
+        return 0
     config = tile_config(n, k)
-    tiles = triton.cdiv(m, config["BM"]) * triton.cdiv(n, config["BN"])
-    return device.type != "cuda" or 2 * tiles >= _multiprocessors(device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    tiles_n = triton.cdiv(n, config["BN"])
+    return (triton.cdiv(sms, 2 * tiles_n) - 1) * config["BM"] + 1
 
 
-def _launch(x: torch.Tensor, words: torch.Tensor, finite: bool, bias: torch.Tensor | None, precision: str) -> torch.Tensor:
+def _launch(x: torch.Tensor, gemm: Gemm, finite: bool, bias: torch.Tensor | None, precision: str) -> torch.Tensor:
     m, k = x.shape
-    n = words.shape[1]
+    n = gemm.words.shape[1]
     y = torch.empty((m, n), device=x.device, dtype=torch.float32)
     if m == 0:
         return y
     if k == 0:
         return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
-    config = tile_config(n, k)
-    grid = (triton.cdiv(m, config["BM"]) * triton.cdiv(n, config["BN"]),)
+    grid = (triton.cdiv(m, gemm.config["BM"]) * gemm.tiles_n,)
     bias_arg = bias if bias is not None else y
-    common = (x, words, bias_arg, y, m, n, k, x.stride(0), y.stride(0))
+    common = (x, gemm.words, bias_arg, y, m, n, k, x.stride(0), y.stride(0))
     if precision == "bf16x9":
-        _bf16x9_linear_kernel[grid](*common, HAS_BIAS=bias is not None, FINITE_W=finite, **config)
+        _bf16x9_linear_kernel[grid](*common, HAS_BIAS=bias is not None, FINITE_W=finite, **gemm.config)
     else:
         passes = 3 if precision == "tf32x3" else 1
-        _tf32_linear_kernel[grid](*common, PASSES=passes, HAS_BIAS=bias is not None, FINITE_W=finite, **config)
+        _tf32_linear_kernel[grid](*common, PASSES=passes, HAS_BIAS=bias is not None, FINITE_W=finite, **gemm.config)
     return y
 
 
 class TritonBackend:
-    """Our Triton kernels, with the layer interface of every backend."""
+    """Our Triton kernels, with the layer interface of every backend.
+
+    In tf32x3 and bf16x9, GEMMs too small to fill the GPU run cuBLAS FP32 instead
+    (:func:`min_rows`); single-pass tf32 always runs its kernel.
+    """
 
     name = "triton"
 
@@ -213,25 +222,25 @@ class TritonBackend:
             return torch.stack([hi, w - hi])
         return torch.stack(split_bf16x3(w)).to(torch.bfloat16)  # exact: the words are BF16
 
+    def _gemm(self, w: torch.Tensor) -> Gemm:
+        n, k = w.shape
+        config = tile_config(n, k)
+        rows = 0 if self.precision == "tf32" else min_rows(n, k, w.device)
+        return Gemm(self._words(w), config, triton.cdiv(n, config["BN"]), rows)
+
     def prepare(self, weight: torch.Tensor) -> Prepared:
         """Words of ``weight`` [N, K] and of its transpose, each [words, rows, K]."""
-        weight = weight.detach().float()
+        weight = weight.detach().float().contiguous()
         finite = bool(torch.isfinite(weight).all())
-        weight = weight.contiguous()
-        return Prepared(weight, self._words(weight), self._words(weight.T.contiguous()), finite)
-
-    def _small(self, m: int, n: int, k: int, device: torch.device) -> bool:
-        return self.precision != "tf32" and not fills_gpu(m, n, k, device)
+        return Prepared(weight, self._gemm(weight), self._gemm(weight.T.contiguous()), finite)
 
     def forward(self, x: torch.Tensor, prepared: Prepared, bias: torch.Tensor | None) -> torch.Tensor:
-        bias = None if bias is None else bias.detach().contiguous()
-        n, k = prepared.weight.shape
-        if self._small(x.shape[0], n, k, x.device):
+        if x.shape[0] < prepared.forward.min_rows:
             return torch.nn.functional.linear(x, prepared.weight, bias)
+        bias = None if bias is None else bias.detach().contiguous()
         return _launch(x, prepared.forward, prepared.finite, bias, self.precision)
 
     def grad_input(self, grad_y: torch.Tensor, prepared: Prepared) -> torch.Tensor:
-        n, k = prepared.weight.shape
-        if self._small(grad_y.shape[0], k, n, grad_y.device):
+        if grad_y.shape[0] < prepared.backward.min_rows:
             return grad_y @ prepared.weight
         return _launch(grad_y, prepared.backward, prepared.finite, None, self.precision)
