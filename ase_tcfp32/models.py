@@ -172,6 +172,16 @@ PET_MAD_SHAPES = {
 """PET-MAD v1.6 sizes (upet's model table) plus a tiny one for tests on CPU."""
 
 
+def random_checkpoint(shape: str = "tiny", seed: int = 0) -> Path:
+    """A saved :func:`random_pet` checkpoint in the temporary folder (made once)."""
+    import tempfile
+
+    path = Path(tempfile.gettempdir()) / f"ase-tcfp32-random-{shape}-{seed}.ckpt"
+    if not path.exists():
+        torch.save(random_pet(shape, seed=seed).get_checkpoint(), path)
+    return path
+
+
 def random_pet(shape: str = "tiny", *, seed: int = 0, atomic_types=tuple(range(1, 103))) -> torch.nn.Module:
     """A metatrain PET with random weights and the PET-MAD architecture rule.
 

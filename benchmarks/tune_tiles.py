@@ -6,7 +6,6 @@ Prints ms and speed-up vs cuBLAS FP32 for each (BM, BN, BK, warps, stages); used
 choose ``tile_config`` in ``ase_tcfp32/kernels/triton_gemm.py``.
 """
 
-import itertools
 
 import torch
 import triton

@@ -11,18 +11,15 @@ forces, ASE dynamics) is the real one.
 """
 
 import argparse
-import tempfile
 import warnings
-from pathlib import Path
 
 import numpy as np
-import torch
 from ase.md.velocitydistribution import thermalize_momenta
 from ase.md.verlet import VelocityVerlet
 from ase.units import fs
 
 from ase_tcfp32 import TCPETCalculator
-from ase_tcfp32.models import random_pet
+from ase_tcfp32.models import random_checkpoint
 from ase_tcfp32.validation import water_box
 
 
@@ -36,8 +33,7 @@ def main() -> None:
 
     model = args.model
     if model is None:
-        model = Path(tempfile.mkdtemp()) / "tiny-random-pet.ckpt"
-        torch.save(random_pet("tiny", seed=0).get_checkpoint(), model)
+        model = random_checkpoint("tiny", seed=0)
         print("model: tiny PET with random weights, built at run time (not a trained potential)")
 
     with warnings.catch_warnings(record=True) as caught:

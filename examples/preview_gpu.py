@@ -8,15 +8,13 @@ same model evaluated in FP64. Without --model, a tiny PET with random weights is
 """
 
 import argparse
-import tempfile
 import warnings
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from ase_tcfp32 import TCPETCalculator, load_pet
-from ase_tcfp32.models import random_pet
+from ase_tcfp32.models import random_checkpoint
 from ase_tcfp32.validation import water_box
 
 
@@ -26,8 +24,7 @@ def main() -> None:
     args = parser.parse_args()
     model = args.model
     if model is None:
-        model = Path(tempfile.mkdtemp()) / "tiny-random-pet.ckpt"
-        torch.save(random_pet("tiny", seed=7).get_checkpoint(), model)
+        model = random_checkpoint("tiny", seed=7)
         print("model: tiny PET with random weights (not a trained potential)")
 
     atoms = water_box(8, seed=1)

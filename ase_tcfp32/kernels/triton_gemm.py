@@ -45,8 +45,10 @@ def _round_bf16(x):
 
 
 @triton.jit
-def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
-    """Grouped tile order: GROUP_M row-tiles share the W tiles in L2."""
+def _tile_offsets(M, N, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    """Row, column (int64) and K offsets of this program's output tile.
+
+    Grouped tile order: GROUP_M row-tiles in a row share the W tiles in L2."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
@@ -55,7 +57,17 @@ def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
     group_rows = min(tiles_m - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % group_rows
     pid_n = (pid % per_group) // group_rows
-    return pid_m, pid_n
+    rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+    rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
+    return rm, rn, tl.arange(0, BK)
+
+
+@triton.jit
+def _store_tile(y_ptr, acc, bias_ptr, rm, rn, M, N, stride_ym, HAS_BIAS: tl.constexpr):
+    """Epilogue: add the bias in FP32 and store the tile."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0)[None, :]
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -64,10 +76,7 @@ def _tf32_linear_kernel(
     PASSES: tl.constexpr, HAS_BIAS: tl.constexpr, FINITE_W: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
-    rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
-    rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
+    rm, rn, rk = _tile_offsets(M, N, BM, BN, BK, GROUP_M)
     x_rows = x_ptr + rm[:, None] * stride_xm
     w_cols = w_ptr + rn[None, :] * K  # w words: [PASSES > 1 ? 2 : 1, N, K]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -90,10 +99,7 @@ def _tf32_linear_kernel(
             acc += tl.dot(a_hi, b_hi, small, input_precision="tf32")
         else:
             acc = tl.dot(a_hi, b_hi, acc, input_precision="tf32")
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0)[None, :]
-    y_mask = (rm[:, None] < M) & (rn[None, :] < N)
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, mask=y_mask)
+    _store_tile(y_ptr, acc, bias_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -102,10 +108,7 @@ def _bf16x9_linear_kernel(
     HAS_BIAS: tl.constexpr, FINITE_W: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
-    rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
-    rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
+    rm, rn, rk = _tile_offsets(M, N, BM, BN, BK, GROUP_M)
     x_rows = x_ptr + rm[:, None] * stride_xm
     w_cols = w_ptr + rn[None, :] * K  # bf16 words: [3, N, K]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -137,10 +140,7 @@ def _bf16x9_linear_kernel(
         if not FINITE_W:
             small = tl.where(small == small, small, 0.0)
         acc += tl.dot(a0, b0, small)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0)[None, :]
-    y_mask = (rm[:, None] < M) & (rn[None, :] < N)
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, mask=y_mask)
+    _store_tile(y_ptr, acc, bias_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
 
 
 def tile_config(n: int, k: int) -> dict:

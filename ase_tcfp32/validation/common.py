@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import torch
 
 from ..calculator import TCPETCalculator
-from ..models import load_pet, random_pet
+from ..models import load_pet, random_checkpoint
 
 
 def resolve_model(model: str) -> str:
@@ -21,11 +20,7 @@ def resolve_model(model: str) -> str:
     with PET-MAD shapes (``tiny``, ``xs``, ``s``, ``m``) for arithmetic-only checks."""
     if not model.startswith("random:"):
         return model
-    shape = model.split(":", 1)[1]
-    path = Path(tempfile.gettempdir()) / f"ase-tcfp32-random-{shape}.ckpt"
-    if not path.exists():
-        torch.save(random_pet(shape, seed=0).get_checkpoint(), path)
-    return str(path)
+    return str(random_checkpoint(model.split(":", 1)[1]))
 
 
 def calculator(model: str, precision: str, device: str | None) -> TCPETCalculator:

@@ -48,7 +48,7 @@ def _verdict(rows) -> str:
 
 def markdown(results: dict, model: str, device) -> str:
     env = environment(device)
-    lines = [f"# Validation report\n", f"Model: `{model}`. Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()) + ".\n"]
+    lines = ["# Validation report\n", f"Model: `{model}`. Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()) + ".\n"]
     for name, result in results.items():
         lines.append(f"## {name}\n")
         lines.append(f"![{name}]({name}.png)\n")
