@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test gpu-test clean
+.PHONY: demo test gpu-test docs clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,5 +20,9 @@ test: $(VENV)/.installed
 gpu-test: $(VENV)/.installed
 	$(PY) -m pytest -q -m gpu tests
 
+docs: $(VENV)/.installed
+	$(PY) -m mkdocs build --strict
+	@echo "documentation site in site/index.html"
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis site

@@ -116,6 +116,12 @@ class TCPETCalculator(Calculator):
             f"backend={self.backend!r}, device='{self.device}')"
         )
 
+    def _repr_html_(self) -> str:
+        rows = {"model": self.model_name, "precision": self.precision, "backend": self.backend,
+                "device": str(self.device), "elements": len(self.atomic_types), "cutoff": f"{self.cutoff} Å"}  # fmt: skip
+        cells = "".join(f"<tr><th style='text-align:left'>{k}</th><td>{v}</td></tr>" for k, v in rows.items())
+        return f"<b>TCPETCalculator</b><table>{cells}</table>"
+
     def check_atoms(self, atoms: Atoms, properties: list[str]) -> None:
         """Raise a clear error for input the model cannot evaluate."""
         if len(atoms) == 0:

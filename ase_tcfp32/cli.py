@@ -48,7 +48,9 @@ def _info(args) -> None:
         print("triton: not installed (GPU kernels unavailable)")
     devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     if torch.cuda.is_available():
-        print(f"CUDA {torch.version.cuda}, cuBLAS {torch.backends.cuda.preferred_blas_library()}")
+        from .kernels.cublas import version
+
+        print(f"CUDA {torch.version.cuda}, cuBLAS {version()}")
     for device in devices:
         name = torch.cuda.get_device_name(device) if device != "cpu" else platform.processor() or platform.machine()
         extra = ""
@@ -61,6 +63,9 @@ def _info(args) -> None:
             print(f"  {row.precision:7} {mark}  {row.backend:14} {row.note}")
         chosen, why = auto_precision(device)
         print(f"  auto -> {chosen}: {why}")
+    from .tcmodel import ALIASES, PRESETS
+
+    print(f"\ntensor-core model (emulate=..., on CPU): {', '.join(PRESETS)} (aliases {', '.join(ALIASES)})")
     cached = cached_checkpoints()
     print("\nmodels by name (uPET):", ", ".join(known_models()))
     print("cached locally:", ", ".join(f"{n} v{v}" for n, vs in cached.items() for v, _ in vs) or "none")

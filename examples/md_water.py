@@ -1,8 +1,8 @@
-"""NVE molecular dynamics of a 192-atom water box with TCPETCalculator.
+"""Molecular dynamics of a 192-atom water box: Langevin NVT, then NVE, with a trajectory.
 
     python examples/md_water.py                      # a PET built here (see below)
     python examples/md_water.py --model pet-mad-s    # PET-MAD-S (downloads once)
-    python examples/md_water.py --model my.ckpt --precision tf32x3 --steps 200
+    python examples/md_water.py --model my.ckpt --precision tf32x3 --nvt 2000 --nve 2000
 
 Without --model, the demo builds a tiny PET with random weights and the PET-MAD
 architecture rule, because no trained model ships with the package yet: its energies
@@ -14,7 +14,9 @@ import argparse
 import warnings
 
 import numpy as np
-from ase.md.velocitydistribution import thermalize_momenta
+from ase.io.trajectory import Trajectory
+from ase.md.langevin import Langevin
+from ase.md.velocitydistribution import Stationary, thermalize_momenta
 from ase.md.verlet import VelocityVerlet
 from ase.units import fs
 
@@ -28,14 +30,15 @@ def main() -> None:
     parser.add_argument("--model", help="uPET name or checkpoint path (default: tiny random PET)")
     parser.add_argument("--precision", default="auto", help="auto, fp32, tf32, tf32x3, bf16x9")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if present)")
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--nvt", type=int, default=20, help="Langevin steps at 300 K")
+    parser.add_argument("--nve", type=int, default=20, help="velocity Verlet steps after NVT")
+    parser.add_argument("--traj", default="water.traj", help="trajectory file (every 5 steps)")
     args = parser.parse_args()
 
     model = args.model
     if model is None:
         model = random_checkpoint("tiny", seed=0)
         print("model: tiny PET with random weights, built at run time (not a trained potential)")
-
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
         calc = TCPETCalculator(model, precision=args.precision, device=args.device)
@@ -46,16 +49,26 @@ def main() -> None:
     atoms = water_box(64, density=1.0, seed=0)
     atoms.calc = calc
     thermalize_momenta(atoms, temperature_K=300, rng=np.random.default_rng(0))
-    dyn = VelocityVerlet(atoms, timestep=0.5 * fs)
-    print(f"{len(atoms)} atoms, velocity Verlet, 0.5 fs, {args.steps} steps, precision {calc.precision}")
-    print(f"{'step':>6} {'E_pot (eV)':>14} {'E_kin (eV)':>12} {'E_tot (eV)':>14}")
+    Stationary(atoms)
+    trajectory = Trajectory(args.traj, "w", atoms)
+    print(f"{len(atoms)} atoms, 0.5 fs, {args.nvt} NVT + {args.nve} NVE steps, precision {calc.precision}")
+    print(f"{'phase':>5} {'step':>6} {'E_pot (eV)':>14} {'E_kin (eV)':>12} {'E_tot (eV)':>14} {'T (K)':>8}")
 
-    def report():
-        e_pot, e_kin = atoms.get_potential_energy(), atoms.get_kinetic_energy()
-        print(f"{dyn.nsteps:6d} {e_pot:14.6f} {e_kin:12.6f} {e_pot + e_kin:14.6f}")
+    for phase, dyn in [
+        ("NVT", Langevin(atoms, 0.5 * fs, temperature_K=300, friction=0.02, fixcm=False, rng=np.random.default_rng(1))),
+        ("NVE", VelocityVerlet(atoms, timestep=0.5 * fs)),
+    ]:
+        steps = args.nvt if phase == "NVT" else args.nve
 
-    dyn.attach(report, interval=max(1, args.steps // 10))
-    dyn.run(args.steps)
+        def report(dyn=dyn, phase=phase):
+            e_pot, e_kin = atoms.get_potential_energy(), atoms.get_kinetic_energy()
+            print(f"{phase:>5} {dyn.nsteps:6d} {e_pot:14.6f} {e_kin:12.6f} {e_pot + e_kin:14.6f} {atoms.get_temperature():8.1f}")
+
+        dyn.attach(report, interval=max(1, steps // 5))
+        dyn.attach(trajectory.write, interval=5)
+        dyn.run(steps)
+    trajectory.close()
+    print(f"trajectory: {args.traj}")
 
 
 if __name__ == "__main__":

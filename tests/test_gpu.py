@@ -95,6 +95,14 @@ def test_huge_m_uses_64_bit_offsets(triton_backends):
     assert rel_error(y[rows], exact) < 1e-6
 
 
+def test_info_reports_the_gpu_and_cublas(capsys):
+    from ase_tcfp32.cli import main
+
+    main(["info"])
+    out = capsys.readouterr().out
+    assert torch.cuda.get_device_name() in out and "cuBLAS 1" in out and "auto -> " in out
+
+
 def test_auto_picks_tf32x3_on_hopper_and_ampere():
     major, _ = torch.cuda.get_device_capability()
     if major not in (8, 9):

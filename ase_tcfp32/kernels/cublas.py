@@ -35,6 +35,16 @@ def libcublas() -> ctypes.CDLL:
     raise RuntimeError("could not load the cuBLAS library that torch uses")
 
 
+def version() -> str:
+    """The cuBLAS version torch uses, as ``major.minor.patch``."""
+    parts = []
+    for kind in range(3):  # MAJOR_VERSION, MINOR_VERSION, PATCH_LEVEL
+        value = ctypes.c_int(-1)
+        _check(libcublas().cublasGetProperty(kind, ctypes.byref(value)), "cublasGetProperty")
+        parts.append(str(value.value))
+    return ".".join(parts)
+
+
 def _check(status: int, call: str) -> None:
     if status != 0:
         raise RuntimeError(f"{call} failed with cuBLAS status {status}")

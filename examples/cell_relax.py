@@ -1,0 +1,49 @@
+"""Relax positions and cell of a crystal together (FrechetCellFilter + FIRE).
+
+    python examples/cell_relax.py [--model my.ckpt] [--structure POSCAR] [--precision tf32x3]
+
+Without --structure, a rattled 2x2x2 fcc Pt supercell at a strained lattice constant.
+"""
+
+import argparse
+import warnings
+
+import ase.io
+from ase.build import bulk
+from ase.filters import FrechetCellFilter
+from ase.optimize import FIRE
+
+from ase_tcfp32 import TCPETCalculator
+from ase_tcfp32.models import random_checkpoint
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="uPET name or checkpoint path (default: tiny random PET)")
+    parser.add_argument("--structure", help="any file ase.io.read understands (3D periodic)")
+    parser.add_argument("--precision", default="auto")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--fmax", type=float, default=0.01, help="eV/Å")
+    parser.add_argument("--steps", type=int, default=100)
+    args = parser.parse_args()
+    if args.model is None:
+        print("model: tiny PET with random weights (not a trained potential)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        calc = TCPETCalculator(args.model or random_checkpoint("tiny"), precision=args.precision, device=args.device)
+
+    if args.structure:
+        atoms = ase.io.read(args.structure)
+    else:
+        atoms = bulk("Pt", "fcc", a=4.0, cubic=True) * (2, 2, 2)
+        atoms.rattle(0.03, seed=0)
+    atoms.calc = calc
+    print(calc)
+    print(f"start: volume {atoms.get_volume():.3f} Å³, stress {atoms.get_stress()[:3].round(5)} eV/Å³")
+    FIRE(FrechetCellFilter(atoms), logfile="-").run(fmax=args.fmax, steps=args.steps)
+    print(f"end:   volume {atoms.get_volume():.3f} Å³, stress {atoms.get_stress()[:3].round(5)} eV/Å³")
+    print("cell lengths (Å):", atoms.cell.lengths().round(4), "angles:", atoms.cell.angles().round(2))
+
+
+if __name__ == "__main__":
+    main()
