@@ -171,3 +171,13 @@ def test_calculator_modes_stay_within_bounds_of_fp32(tiny_ckpt, water, precision
     assert de <= e_bound and df <= f_bound
     if precision == "tf32":
         assert df > 10 * BOUNDS["tf32x3"][1]  # single-pass TF32 is visibly worse
+
+
+def test_llpr_ensemble_layer_swaps_too(shipped):
+    """PET-MAD's LLPR wrapper adds a Linear per ensembled output; it swaps with the rest."""
+    from metatrain.utils.io import load_model
+
+    llpr = load_model(shipped("llpr-v4"))
+    swapped = swap_linear_layers(llpr, "tf32")
+    assert "llpr_ensemble_layers.energy" in swapped
+    assert any(name.startswith("model.backend.") for name in swapped)

@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent(
     g = torch.Generator().manual_seed(0)
     for precision in ("tf32", "tf32x3"):
         triton_, ref = TritonBackend(precision), ReferenceBackend(precision)
-        for m, k, n in [(0, 20, 8), (1, 64, 5), (37, 40, 20), (130, 17, 33), (129, 70, 130)]:
+        for m, k, n in [(0, 20, 8), (1, 64, 5), (37, 40, 20), (130, 17, 33), (129, 70, 130), (200, 4, 16)]:
             x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
             if m > 2:
                 x[1, 3], x[2, 0] = float("inf"), float("nan")

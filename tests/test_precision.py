@@ -1,0 +1,71 @@
+import pytest
+import torch
+
+from ase_tcfp32 import PRECISIONS, UnsupportedPrecisionError, auto_precision, available_precisions
+from ase_tcfp32 import precision as precision_module
+from ase_tcfp32.precision import ieee_fp32_matmul, resolve_precision, support
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Pretend a CUDA device of a given compute capability exists (selection logic only)."""
+
+    def install(cc):
+        monkeypatch.setattr(precision_module, "_capability", lambda device: cc if device.type == "cuda" else None)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"GPU {cc[0]}.{cc[1]}")
+
+    return install
+
+
+@pytest.mark.parametrize(
+    "cc,expected",
+    [((7, 0), "fp32"), ((7, 5), "fp32"), ((8, 0), "tf32x3"), ((8, 9), "tf32x3"), ((9, 0), "tf32x3"),
+     ((10, 0), "bf16x9"), ((10, 3), "bf16x9"), ((12, 0), "fp32")],
+)  # fmt: skip
+def test_auto_selection_table(fake_gpu, cc, expected):
+    fake_gpu(cc)
+    chosen, why = auto_precision("cuda")
+    assert chosen == expected and f"{cc[0]}.{cc[1]}" in why
+    if expected == "fp32":
+        with pytest.warns(UserWarning, match="precision='auto' uses fp32"):
+            assert resolve_precision("auto", "cuda") == "fp32"
+    else:
+        assert resolve_precision("auto", "cuda") == expected
+
+
+def test_precision_the_gpu_cannot_run_is_a_clear_error(fake_gpu):
+    fake_gpu((7, 0))
+    with pytest.raises(UnsupportedPrecisionError, match="compute capability 7.0 has no TF32/BF16 tensor cores"):
+        resolve_precision("tf32x3", "cuda")
+    assert resolve_precision("fp32", "cuda") == "fp32"
+
+
+def test_backends_per_generation(fake_gpu):
+    fake_gpu((9, 0))
+    assert support("bf16x9", "cuda").backend == "triton"
+    fake_gpu((10, 0))
+    assert support("bf16x9", "cuda").backend == "cuBLAS BF16x9"
+    assert support("tf32x3", "cuda").backend == "triton"
+
+
+def test_available_precisions_lists_every_mode_on_cpu():
+    rows = available_precisions("cpu")
+    assert [r.precision for r in rows] == list(PRECISIONS)
+    assert all(r.available for r in rows)
+    assert [r.backend for r in rows] == ["CPU BLAS", "reference", "reference", "reference"]
+
+
+def test_ieee_guard_restores_the_callers_setting():
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = "tf32"
+        with ieee_fp32_matmul():
+            assert matmul.fp32_precision == "ieee"
+        assert matmul.fp32_precision == "tf32"
+        with pytest.raises(RuntimeError):
+            with ieee_fp32_matmul():
+                raise RuntimeError("model failure")
+        assert matmul.fp32_precision == "tf32"
+    finally:
+        matmul.fp32_precision = saved
