@@ -38,13 +38,12 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return device
 
 
-def _emulation_setup(emulate: str, precision: str, device) -> tuple[torch.device, str]:
+def _check_emulation(emulate: str, precision: str, device) -> None:
     tensor_core(emulate)  # an unknown GPU name fails here, listing the presets
     if precision not in ("tf32", "tf32x3", "bf16x9"):
         raise ValueError(f"emulate={emulate!r} needs precision 'tf32', 'tf32x3' or 'bf16x9', not {precision!r}")
     if device is not None and torch.device(device).type != "cpu":
         raise ValueError(f"emulate={emulate!r} runs the tensor-core model on CPU; pass device='cpu' or None")
-    return torch.device("cpu"), precision
 
 
 class TCPETCalculator(Calculator):
@@ -59,8 +58,8 @@ class TCPETCalculator(Calculator):
         (see :mod:`ase_tcfp32.precision`).
     :param device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``; default CUDA when available.
     :param emulate: a GPU name (``"A100"``, ``"H100"``, ``"B200"``... see
-        :mod:`ase_tcfp32.tcmodel`): compute on CPU, bit for bit, what that GPU's tensor cores
-        give for ``precision`` (slow; for previews of small systems).
+        :mod:`ase_tcfp32.tcmodel`): run every Linear layer on CPU through the bit-accurate
+        model of that GPU's tensor cores (slow; for previews of small systems).
     :param neighbor_skin: Verlet skin in Å of the cached neighbour lists.
 
     Units: energy eV, forces eV/Å, stress eV/Å³ in Voigt order (xx, yy, zz, yz, xz, xy),
@@ -87,13 +86,17 @@ class TCPETCalculator(Calculator):
             self.precision = resolve_precision(precision, self.device)
             self.backend = support(self.precision, self.device).backend
         else:
-            self.device, self.precision = _emulation_setup(emulate, precision, device)
+            _check_emulation(emulate, precision, device)
+            self.device, self.precision = torch.device("cpu"), precision
             self.backend = f"tcmodel:{tensor_core(emulate).name}"
         self.emulate = emulate
 
         from metatomic_ase import MetatomicCalculator
 
         self.pet = load_pet(model, version)
+        dtype = next(self.pet.parameters()).dtype
+        if self.precision != "fp32" and dtype != torch.float32:
+            raise ValueError(f"precision {self.precision!r} needs a float32 model, this one is {dtype}")
         swap_linear_layers(self.pet, self.precision, emulate=emulate)
         self.atomic_types = frozenset(int(t) for t in self.pet.atomic_types)
         self.cutoff = float(self.pet.cutoff)

@@ -26,7 +26,7 @@ K the split's dropped lo*lo term makes tf32x3 several times less accurate than F
 
 class _TCLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, backend, prepared):  # noqa: D102
+    def forward(ctx, x, weight, bias, backend, prepared):
         ctx.backend, ctx.prepared = backend, prepared
         ctx.save_for_backward(x if weight.requires_grad else None)
         return backend.forward(x, prepared, bias)

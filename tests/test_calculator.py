@@ -165,6 +165,13 @@ def test_stress_needs_full_periodicity(tiny_ckpt, water, pbc):
         water.get_stress()
 
 
+def test_emulated_precision_needs_a_float32_model():
+    pet = random_pet("tiny", atomic_types=[1, 8]).to(torch.float64)
+    with pytest.warns(UserWarning):  # the CPU emulation note comes first
+        with pytest.raises(ValueError, match="needs a float32 model"):
+            TCPETCalculator(pet, precision="tf32x3", device="cpu")
+
+
 def test_unknown_precision_lists_valid_ones(tiny_ckpt):
     with pytest.raises(ValueError, match="unknown precision 'tf64'.*auto, fp32, tf32, tf32x3, bf16x9"):
         TCPETCalculator(tiny_ckpt, precision="tf64")
