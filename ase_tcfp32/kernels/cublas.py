@@ -26,6 +26,7 @@ _GEMM_DEFAULT = -1
 @functools.lru_cache(maxsize=1)
 def libcublas() -> ctypes.CDLL:
     """The cuBLAS library torch loaded (found by soname once torch has initialised it)."""
+    torch.zeros(1, device="cuda")  # a CUDA context first, then torch's cuBLAS handle
     torch.cuda.current_blas_handle()
     for soname in ("libcublas.so.13", "libcublas.so.12", "libcublas.so"):
         try:
