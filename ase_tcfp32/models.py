@@ -28,6 +28,13 @@ UPET_MODELS = (
 )  # fmt: skip
 """Names upet 0.3 resolves (``upet._version.UPET_AVAILABLE_MODELS``), known offline."""
 
+BUNDLED = {"pet-demo-chgnet": "pet-demo-chgnet.ckpt"}
+"""Models shipped inside the package (``ase_tcfp32/data``), loaded with no network.
+
+``pet-demo-chgnet``: a small PET (PET-MAD architecture rule, d_pet 32) distilled from the
+CHGNet r2SCAN model on water, CO/Pt(111) and Cantor-alloy structures. A demo model for
+examples, tests and validation, **not PET-MAD**; its accuracy is in ``docs/demo_model.md``."""
+
 _UPET_REPO = "lab-cosmo/upet"
 _CKPT_NAME = re.compile(r"^(?P<name>pet-[\w-]+?)-v?(?P<version>\d+\.\d+\.\d+)\.ckpt$")
 
@@ -37,12 +44,22 @@ class ModelDownloadError(RuntimeError):
 
 
 def known_models() -> tuple[str, ...]:
-    """The model names accepted by :func:`load_pet` (uPET's list, from upet if installed)."""
+    """The model names accepted by :func:`load_pet`: the bundled ones, then uPET's list."""
     try:
         from upet._version import UPET_AVAILABLE_MODELS
     except ImportError:
-        return UPET_MODELS
-    return tuple(UPET_AVAILABLE_MODELS)
+        return (*BUNDLED, *UPET_MODELS)
+    return (*BUNDLED, *UPET_AVAILABLE_MODELS)
+
+
+def bundled_checkpoint(name: str) -> Path:
+    """Path of a model shipped with the package."""
+    from importlib.resources import files
+
+    path = Path(str(files("ase_tcfp32") / "data" / BUNDLED[name]))
+    if not path.is_file():
+        raise FileNotFoundError(f"the bundled model file is missing from the installation: '{path}'")
+    return path
 
 
 def cached_checkpoints() -> dict[str, list[tuple[str, Path]]]:
@@ -94,7 +111,8 @@ def _download(name: str, version: str) -> Path:
             f"could not download model {name!r} (version {version}) from the Hugging Face "
             f"hub: {type(error).__name__}: {error}. No cached copy was found. Pass a local "
             f"checkpoint instead, e.g. TCPETCalculator('/path/to/{name}-v1.6.0.ckpt'), "
-            "after downloading it on a machine with network access."
+            "after downloading it on a machine with network access, or use the bundled demo "
+            "model TCPETCalculator('pet-demo-chgnet') (not PET-MAD: a small model for trying things out)."
         ) from error
 
 
@@ -104,6 +122,8 @@ def resolve_checkpoint(model: str | os.PathLike, version: str = "latest") -> Pat
     path = Path(text).expanduser()
     if path.is_file():
         return path
+    if text in BUNDLED:
+        return bundled_checkpoint(text)
     if text in known_models():
         return _download(text, version)
     if path.suffix or os.sep in text or path.exists():

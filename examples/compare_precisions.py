@@ -1,7 +1,7 @@
 """Compare every precision on your own structure: energy, forces, stress, time.
 
     python examples/compare_precisions.py --model pet-mad-s --structure my.xyz
-    python examples/compare_precisions.py                 # a water box and a tiny random PET
+    python examples/compare_precisions.py                 # a water box and the bundled demo PET
 
 Differences are against FP32 and against the same model evaluated in FP64.
 """
@@ -15,17 +15,16 @@ import numpy as np
 import torch
 
 from ase_tcfp32 import PRECISIONS, TCPETCalculator, available_precisions, load_pet
-from ase_tcfp32.models import random_checkpoint
 from ase_tcfp32.validation import water_box
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="uPET name or checkpoint path (default: tiny random PET)")
+    parser.add_argument("--model", default="pet-demo-chgnet", help="uPET name or checkpoint path (default: the bundled demo PET)")
     parser.add_argument("--structure", help="any file ase.io.read understands (default: 192-atom water box)")
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
-    model = args.model or random_checkpoint("tiny")
+    model = args.model
     atoms = ase.io.read(args.structure) if args.structure else water_box(64)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -1,13 +1,13 @@
 """Molecular dynamics of a 192-atom water box: Langevin NVT, then NVE, with a trajectory.
 
-    python examples/md_water.py                      # a PET built here (see below)
+    python examples/md_water.py                      # the bundled demo PET (see below)
     python examples/md_water.py --model pet-mad-s    # PET-MAD-S (downloads once)
     python examples/md_water.py --model my.ckpt --precision tf32x3 --nvt 2000 --nve 2000
 
-Without --model, the demo builds a tiny PET with random weights and the PET-MAD
-architecture rule, because no trained model ships with the package yet: its energies
-are not physical, but every code path (loading, precision swap, neighbour lists,
-forces, ASE dynamics) is the real one.
+Without --model it uses ``pet-demo-chgnet``, the small PET shipped with the package:
+distilled from CHGNet (r2SCAN) for water, CO/Pt(111) and CoCrFeMnNi, it is a demo model,
+not PET-MAD (accuracy in docs/demo_model.md). Every code path (loading, precision swap,
+neighbour lists, forces, ASE dynamics) is the one PET-MAD takes.
 """
 
 import argparse
@@ -21,13 +21,12 @@ from ase.md.verlet import VelocityVerlet
 from ase.units import fs
 
 from ase_tcfp32 import TCPETCalculator
-from ase_tcfp32.models import random_checkpoint
 from ase_tcfp32.validation import water_box
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="uPET name or checkpoint path (default: tiny random PET)")
+    parser.add_argument("--model", default="pet-demo-chgnet", help="uPET name or checkpoint path (default: the bundled demo PET)")
     parser.add_argument("--precision", default="auto", help="auto, fp32, tf32, tf32x3, bf16x9")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if present)")
     parser.add_argument("--nvt", type=int, default=20, help="Langevin steps at 300 K")
@@ -36,9 +35,6 @@ def main() -> None:
     args = parser.parse_args()
 
     model = args.model
-    if model is None:
-        model = random_checkpoint("tiny", seed=0)
-        print("model: tiny PET with random weights, built at run time (not a trained potential)")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
         calc = TCPETCalculator(model, precision=args.precision, device=args.device)

@@ -4,7 +4,7 @@
 
 Energies and forces of a 24-atom water box with TF32x3 and BF16x9 as the A100, H100 and
 B200 tensor cores would compute them (bit-accurate model), compared with FP32 and with the
-same model evaluated in FP64. Without --model, a tiny PET with random weights is built.
+same model evaluated in FP64. Without --model, the bundled demo PET.
 """
 
 import argparse
@@ -14,18 +14,14 @@ import numpy as np
 import torch
 
 from ase_tcfp32 import TCPETCalculator, load_pet
-from ase_tcfp32.models import random_checkpoint
 from ase_tcfp32.validation import water_box
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="checkpoint path (default: tiny random PET)")
+    parser.add_argument("--model", default="pet-demo-chgnet", help="model name or checkpoint path (default: the bundled demo PET)")
     args = parser.parse_args()
     model = args.model
-    if model is None:
-        model = random_checkpoint("tiny", seed=7)
-        print("model: tiny PET with random weights (not a trained potential)")
 
     atoms = water_box(8, seed=1)
     atoms.calc = TCPETCalculator(load_pet(model).to(torch.float64), precision="fp32", device="cpu")

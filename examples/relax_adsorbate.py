@@ -10,23 +10,20 @@ from ase.constraints import FixAtoms
 from ase.optimize import FIRE
 
 from ase_tcfp32 import TCPETCalculator
-from ase_tcfp32.models import random_checkpoint
 from ase_tcfp32.validation import co_on_pt111
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="uPET name or checkpoint path (default: tiny random PET)")
+    parser.add_argument("--model", default="pet-demo-chgnet", help="uPET name or checkpoint path (default: the bundled demo PET)")
     parser.add_argument("--precision", default="auto")
     parser.add_argument("--device", default=None)
     parser.add_argument("--fmax", type=float, default=0.05, help="eV/Å")
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
-    if args.model is None:
-        print("model: tiny PET with random weights (not a trained potential)")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        calc = TCPETCalculator(args.model or random_checkpoint("tiny"), precision=args.precision, device=args.device)
+        calc = TCPETCalculator(args.model, precision=args.precision, device=args.device)
 
     atoms = co_on_pt111(height=1.9, size=(3, 3, 4))
     z = atoms.positions[:, 2]

@@ -56,7 +56,7 @@ def test_corrupt_file_names_the_path(tmp_path):
 
 def test_offline_name_says_how_to_pass_a_local_file(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache
-    with pytest.raises(ModelDownloadError, match="Pass a local checkpoint"):
+    with pytest.raises(ModelDownloadError, match="Pass a local checkpoint.*pet-demo-chgnet"):
         load_pet("pet-mad-s")
 
 
@@ -79,7 +79,7 @@ def test_offline_name_uses_a_cached_download(monkeypatch, tmp_path, tiny_ckpt):
 def test_known_models_match_upet():
     from upet._version import UPET_AVAILABLE_MODELS
 
-    assert set(known_models()) == set(UPET_AVAILABLE_MODELS)
+    assert set(known_models()) == {"pet-demo-chgnet", *UPET_AVAILABLE_MODELS}
     assert "pet-mad-s" in known_models()
 
 

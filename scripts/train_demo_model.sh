@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Rebuild the bundled demo PET from scratch (CPU, about 25 minutes on 2 cores):
+#   1. label the data with the CHGNet r2SCAN teacher (needs `pip install chgnet`, kept
+#      out of ase-tcfp32's requirements: use a separate environment, TEACHER_PYTHON);
+#   2. train with `mtt train` and the options in scripts/demo_model/options.yaml;
+#   3. save a slim checkpoint into the package and evaluate it against the teacher.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TEACHER_PYTHON=${TEACHER_PYTHON:-python}
+PYTHON=${PYTHON:-.venv/bin/python}
+work=build/demo-model
+mkdir -p "$work"
+"$TEACHER_PYTHON" scripts/make_dataset.py --out "$work"
+(cd "$work" && "$OLDPWD/.venv/bin/mtt" train "$OLDPWD/scripts/demo_model/options.yaml" -o model.pt)
+"$PYTHON" scripts/demo_model/package.py "$work/model.ckpt" ase_tcfp32/data/pet-demo-chgnet.ckpt
+"$PYTHON" scripts/demo_model/evaluate.py --test "$work/test.xyz" --out docs/demo_model.json

@@ -1,0 +1,59 @@
+"""The bundled demo PET: loads by name with no network, keeps its documented accuracy."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from ase.io import read
+from ase.md.velocitydistribution import thermalize_momenta
+from ase.md.verlet import VelocityVerlet
+from ase.units import fs
+
+from ase_tcfp32 import TCPETCalculator, known_models
+from ase_tcfp32.models import bundled_checkpoint
+from ase_tcfp32.validation import water_box
+
+TEST_SET = Path(__file__).parent / "data" / "demo_model" / "test.xyz"
+
+DOCUMENTED = {  # docs/demo_model.md: energy MAE (meV/atom), force MAE (meV/Å) vs CHGNet r2SCAN
+    "cantor": (6.6, 112.0),
+    "co-pt111": (4.3, 46.4),
+    "water": (17.7, 204.1),
+    "other": (50.9, 110.1),
+}
+
+
+@pytest.fixture(scope="module")
+def demo_calc():
+    return TCPETCalculator("pet-demo-chgnet", precision="fp32", device="cpu")
+
+
+def test_loads_by_name_without_network(demo_calc):
+    assert "pet-demo-chgnet" in known_models()
+    assert bundled_checkpoint("pet-demo-chgnet").stat().st_size < 10e6
+    assert demo_calc.model_name == "pet-demo-chgnet"
+    assert {1, 6, 8, 24, 25, 26, 27, 28, 78} <= demo_calc.atomic_types
+
+
+def test_accuracy_on_the_shipped_test_set(demo_calc):
+    frames = read(TEST_SET, ":")
+    for family, (energy_mae, force_mae) in DOCUMENTED.items():
+        de, df = [], []
+        for ref in (f for f in frames if f.info["family"] == family):
+            atoms = ref.copy()
+            atoms.calc = demo_calc
+            de.append(abs(atoms.get_potential_energy() - ref.get_potential_energy()) / len(atoms))
+            df.append(np.abs(atoms.get_forces() - ref.get_forces()).ravel())
+        assert 1000 * np.mean(de) == pytest.approx(energy_mae, rel=0.02, abs=0.1), family
+        assert 1000 * np.mean(np.concatenate(df)) == pytest.approx(force_mae, rel=0.02, abs=0.5), family
+
+
+def test_short_nve_of_water_conserves_energy(demo_calc):
+    atoms = water_box(8, seed=1)
+    atoms.calc = demo_calc
+    thermalize_momenta(atoms, temperature_K=300, rng=np.random.default_rng(0))
+    energies = []
+    dyn = VelocityVerlet(atoms, 0.5 * fs)
+    dyn.attach(lambda: energies.append(atoms.get_total_energy() / len(atoms)), interval=10)
+    dyn.run(200)
+    assert np.all(np.isfinite(energies)) and np.ptp(energies) < 5e-3
