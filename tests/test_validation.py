@@ -24,7 +24,7 @@ def test_builders():
 @pytest.fixture(scope="module")
 def quick_suite(tmp_path_factory):
     out = tmp_path_factory.mktemp("validation")
-    main(["validate", "all", "--model", "random:tiny", "--quick", "--out", str(out), "--device", "cpu"])
+    main(["validate", "all", "--model", "pet-demo-chgnet", "--quick", "--out", str(out), "--device", "cpu"])
     return out
 
 
