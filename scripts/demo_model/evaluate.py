@@ -20,20 +20,7 @@ from ase.units import fs
 
 from ase_tcfp32 import TCPETCalculator
 from ase_tcfp32.validation import cantor_slab, water_box
-
-
-def accuracy(calc, frames) -> dict:
-    table = {}
-    for family in sorted({f.info["family"] for f in frames}):
-        de, df = [], []
-        for ref in (f for f in frames if f.info["family"] == family):
-            atoms = ref.copy()
-            atoms.calc = calc
-            de.append(abs(atoms.get_potential_energy() - ref.get_potential_energy()) / len(atoms))
-            df.append(np.abs(atoms.get_forces() - ref.get_forces()).ravel())
-        table[family] = {"structures": len(de), "energy_mae_meV_atom": 1000 * float(np.mean(de)),
-                         "force_mae_meV_A": 1000 * float(np.mean(np.concatenate(df)))}  # fmt: skip
-    return table
+from ase_tcfp32.validation.accuracy import against_labels
 
 
 def nve(calc, ps: float) -> dict:
@@ -76,7 +63,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     calc = TCPETCalculator(args.model, precision="fp32", device="cpu")
-    results = {"model": args.model, "test_set": accuracy(calc, read(args.test, ":"))}
+    results = {"model": args.model, "test_set": against_labels(calc, read(args.test, ":"))}
     print(json.dumps(results["test_set"], indent=1), flush=True)
     results["relax"] = relax(calc)
     print(results["relax"], flush=True)
