@@ -16,20 +16,21 @@ from ase_tcfp32 import TCPETCalculator
 from ase_tcfp32.models import random_pet
 
 
-def metatomic_reference(path):
-    return MetatomicCalculator(load_model(path).export(), device="cpu", uncertainty_threshold=None)
+def compare_with_metatomic(path, atoms):
+    """Ours (FP32) and MetatomicCalculator on the same checkpoint; energies and forces checked."""
+    ours, ref = atoms.copy(), atoms.copy()
+    ours.calc = TCPETCalculator(path, precision="fp32", device="cpu")
+    ref.calc = MetatomicCalculator(load_model(path).export(), device="cpu", uncertainty_threshold=None)
+    e_ref = ref.get_potential_energy()
+    assert abs(ours.get_potential_energy() - e_ref) <= 1e-6 * abs(e_ref)
+    assert np.abs(ours.get_forces() - ref.get_forces()).max() <= 1e-5
+    return ours, ref
 
 
 @pytest.mark.parametrize("name", ["pet-v16", "llpr-v4"])
 def test_fp32_reproduces_metatomic_on_shipped_checkpoints(shipped, ethanol, name):
-    path = shipped(name)
-    ours = ethanol.copy()
-    ours.calc = TCPETCalculator(path, precision="fp32", device="cpu")
-    ref = ethanol.copy()
-    ref.calc = metatomic_reference(path)
+    ours, ref = compare_with_metatomic(shipped(name), ethanol)
     e_ref = ref.get_potential_energy()
-    assert abs(ours.get_potential_energy() - e_ref) <= 1e-6 * abs(e_ref)
-    assert np.abs(ours.get_forces() - ref.get_forces()).max() <= 1e-5
     energies = ours.get_potential_energies()
     assert energies.shape == (len(ethanol),)
     assert energies.sum() == pytest.approx(e_ref, rel=1e-6)
@@ -37,13 +38,7 @@ def test_fp32_reproduces_metatomic_on_shipped_checkpoints(shipped, ethanol, name
 
 
 def test_fp32_reproduces_metatomic_with_stress(tiny_ckpt, water):
-    ours = water.copy()
-    ours.calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu")
-    ref = water.copy()
-    ref.calc = metatomic_reference(tiny_ckpt)
-    e_ref = ref.get_potential_energy()
-    assert abs(ours.get_potential_energy() - e_ref) <= 1e-6 * abs(e_ref)
-    assert np.abs(ours.get_forces() - ref.get_forces()).max() <= 1e-5
+    ours, ref = compare_with_metatomic(tiny_ckpt, water)
     assert np.abs(ours.get_stress() - ref.get_stress()).max() <= 1e-6
 
 

@@ -34,7 +34,6 @@ class TensorCore:
 
     name: str
     formats: dict = field(default_factory=dict)
-    instruction_k: dict = field(default_factory=dict)  # k of one mma instruction per format
 
     def params(self, in_fmt: str) -> BlockParams:
         try:
@@ -51,7 +50,7 @@ def _ampere_like(name: str, fp8: bool = False) -> TensorCore:
     }
     if fp8:
         formats.update(e4m3=BlockParams(16, -10, -132, -20, out_fraction=13), e5m2=BlockParams(16, -10, -132, -20, out_fraction=13))
-    return TensorCore(name, formats, {"fp16": 16, "bf16": 16, "tf32": 8, "e4m3": 32, "e5m2": 32})
+    return TensorCore(name, formats)
 
 
 def _hopper_like(name: str, fp8_fraction: int) -> TensorCore:
@@ -63,11 +62,11 @@ def _hopper_like(name: str, fp8_fraction: int) -> TensorCore:
         "e4m3": fp8,
         "e5m2": fp8,
     }
-    return TensorCore(name, formats, {"fp16": 16, "bf16": 16, "tf32": 8, "e4m3": 32, "e5m2": 32})
+    return TensorCore(name, formats)
 
 
 PRESETS = {
-    "V100": TensorCore("V100", {"fp16": BlockParams(4, 0, -131, -19)}, {"fp16": 4}),
+    "V100": TensorCore("V100", {"fp16": BlockParams(4, 0, -131, -19)}),
     "A100": _ampere_like("A100"),
     "Ada": _ampere_like("Ada", fp8=True),
     "H100": _hopper_like("H100", fp8_fraction=13),
@@ -90,4 +89,4 @@ def custom(name: str, base: str | TensorCore, **changes) -> TensorCore:
     """A preset with some block parameters changed for every format, e.g.
     ``custom("B200-RN", "B200", final_rne=True)`` or ``custom("X", "A100", block=16)``."""
     base = tensor_core(base)
-    return TensorCore(name, {f: replace(p, **changes) for f, p in base.formats.items()}, dict(base.instruction_k))
+    return TensorCore(name, {f: replace(p, **changes) for f, p in base.formats.items()})

@@ -50,7 +50,8 @@ def run(model: str, precisions: list[str], device=None, out="validation", molecu
         again = _evaluate(fp32, atoms)
         e_r, f_r, s_r = _evaluate(fp32, atoms[order])
         reordered = (e_r, f_r[np.argsort(order)], s_r)
-        noise = {k: max(a, b) for (k, a), b in zip(_errors(again, ref32, len(atoms)).items(), _errors(reordered, ref32, len(atoms)).values())}
+        rerun, reorder = _errors(again, ref32, len(atoms)), _errors(reordered, ref32, len(atoms))
+        noise = {k: max(rerun[k], reorder[k]) for k in rerun}
         try:
             ref64 = _evaluate(calculator(model, "fp64", device), atoms)
         except torch.cuda.OutOfMemoryError:  # FP64 needs twice FP32's memory
