@@ -19,6 +19,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from ase_tcfp32.kernels.cublas import version as cublas_version
 from ase_tcfp32.kernels.triton_gemm import TritonBackend
 
 PAD_WIDTH = {("s", 192): 38, ("s", 17280): 39, ("m", 192): 49, ("m", 17280): 51}
@@ -87,7 +88,7 @@ def environment() -> dict:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
-        "cublas": torch.backends.cuda.preferred_blas_library().name if hasattr(torch.backends.cuda, "preferred_blas_library") else None,
+        "cublas": cublas_version(),
         "python": platform.python_version(),
     }
 
@@ -112,17 +113,45 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+PEAKS = {"H100": (494.7, 3.35), "H200": (494.7, 4.3), "A100": (156.0, 1.6)}
+"""Dense TF32 tensor-core TFLOP/s and memory bandwidth (TB/s; H200: measured copy rate)."""
+
+
+def roofline(results: dict, min_rows: int = 100_000) -> str:
+    """TFLOP/s of every method on the large shapes, and tf32x3's share of the 3xTF32
+    tensor-core bound and of the memory floor (read x and w, write y once), as Markdown."""
+    peak = next((v for name, v in PEAKS.items() if name in results["environment"]["gpu"]), None)
+    kernels = [k for k in results["shapes"][0] if k.startswith(("cublas", "triton"))]
+    lines = ["| shape (M x K x N) | " + " | ".join(f"{k.replace('_', ' ')} TFLOP/s" for k in kernels)
+             + " | tf32x3 / 3xTF32 bound | tf32x3 / memory floor |",
+             "|---|" + "---|" * (len(kernels) + 2)]  # fmt: skip
+    for row in results["shapes"]:
+        if row["M"] < min_rows:
+            continue
+        m, k, n = row["M"], row["K"], row["N"]
+        tflops = {name: 2 * m * k * n / (row[name]["fwd_ms"] * 1e9) for name in kernels}
+        cells = [f"{tflops[name]:.0f}" for name in kernels]
+        if peak and "triton_tf32x3" in row:
+            floor_ms = 4 * (m * k + m * n + 2 * k * n) / (peak[1] * 1e9)
+            cells += [f"{tflops['triton_tf32x3'] / (peak[0] / 3):.2f}", f"{floor_ms / row['triton_tf32x3']['fwd_ms']:.2f}"]
+        else:
+            cells += ["", ""]
+        lines.append(f"| {row['model']} {row['layer']} {m}x{k}x{n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="s,m")
     parser.add_argument("--atoms", default="192,17280")
     parser.add_argument("--kernels", default="tf32,tf32x3,bf16x9")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
-    parser.add_argument("--markdown", default=None, help="print the table of a results JSON and exit")
+    parser.add_argument("--markdown", default=None, help="print the tables of a results JSON and exit")
     args = parser.parse_args()
     if args.markdown:
         with open(args.markdown) as f:
-            print(markdown(json.load(f)))
+            results = json.load(f)
+        print(markdown(results), roofline(results), sep="\n\n")
         return
     backends = {f"triton_{p}": TritonBackend(p) for p in args.kernels.split(",")}
     results = {"environment": environment(), "shapes": []}

@@ -85,6 +85,24 @@ def test_triton_inf_nan_propagate_like_torch(triton_backends, precision, inf_wei
     assert torch.equal(y[torch.isinf(expected)], expected[torch.isinf(expected)])
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_tma_and_pointer_loads_give_the_same_bits(triton_backends, precision):
+    """On Hopper x comes in through a TMA descriptor when its rows are 16-byte aligned,
+    through pointer loads otherwise: the arithmetic is the same, so are the results."""
+    from ase_tcfp32.kernels.triton_gemm import _tma_ready, launch
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w = torch.randn(384, 256, device="cuda", generator=g)
+    x = torch.randn(20000, 256, device="cuda", generator=g)
+    padded = torch.zeros(20000, 257, device="cuda")
+    padded[:, :256] = x
+    unaligned = padded[:, :256]  # rows of 257 floats: not 16-byte aligned
+    assert _tma_ready(x) and not _tma_ready(unaligned)
+    gemm = triton_backends[precision].prepare(w).forward
+    assert (gemm.descriptor is not None) == (torch.cuda.get_device_capability()[0] >= 9)
+    assert torch.equal(launch(x, gemm), launch(unaligned, gemm))
+
+
 def test_huge_m_uses_64_bit_offsets(triton_backends):
     m = 10_000_000
     x = torch.randn(m, 256, device="cuda")  # 10 GB: offsets past 2**31

@@ -2,9 +2,11 @@
 
 Each FP32 operand becomes the words the tensor core sees (:data:`SCHEMES`); along K,
 the GEMM walks blocks of ``block_k`` columns like the GPU kernels do. In each block
-the small word products go into a fresh FP32 accumulator (NaN corrections dropped,
-as Inf inputs make them), the hi*hi product is added on top of that, and the block
-result joins the running FP32 sum with one IEEE addition.
+the hi*hi product is formed in a fresh FP32 accumulator and joins the running FP32 sum
+with one IEEE addition; the small (correction) word products go into a second
+accumulator that runs over all of K and is added at the end. The corrections of
+Inf inputs are dropped (they would be NaN); NaN inputs keep theirs, so results carry
+Inf/NaN like an FP32 matmul. Weights holding Inf/NaN are multiplied in plain FP32.
 
 The one way this differs from the hardware: a tensor core adds the products of a
 k-chunk with its own fixed-point alignment and truncation (see ``ase_tcfp32.tcmodel``),
@@ -15,7 +17,7 @@ difference is at the level of FP32 rounding noise.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -37,8 +39,8 @@ def _tf32x3_words(x: torch.Tensor) -> Words:
 class Scheme:
     """How a precision forms a product: its operand words and word products.
 
-    ``small`` lists the (x word, w word) products summed, in this order, in a fresh
-    accumulator before the (0, 0) hi*hi product is added on top.
+    ``small`` lists the (x word, w word) correction products, in the order in which
+    each K-block adds them to the corrections' running sum.
     """
 
     name: str
@@ -60,19 +62,25 @@ SCHEMES = {
 def emulated_mm(x: torch.Tensor, w_words: Words, scheme: Scheme, block_k: int = 32) -> torch.Tensor:
     """``x @ w.T`` for FP32 ``x`` [M, K] and the words of ``w`` [N, K], as [M, N]."""
     x_words = scheme.words(x)
+    infinite = torch.isinf(x)
+    x_small = [torch.where(infinite, 0.0, word) for word in x_words] if scheme.small else []
     m, k = x.shape
     out = x.new_zeros(m, w_words[0].shape[0])
+    small = torch.zeros_like(out)
     for k0 in range(0, k, block_k):
-        xs = [word[:, k0 : k0 + block_k] for word in x_words]
-        ws = [word[:, k0 : k0 + block_k] for word in w_words]
-        block = torch.zeros_like(out)
+        cols = slice(k0, k0 + block_k)
+        out += x_words[0][:, cols] @ w_words[0][:, cols].T
         for i, j in scheme.small:
-            block.addmm_(xs[i], ws[j].T)
-        if scheme.small:
-            block = torch.where(torch.isnan(block), 0.0, block)
-        block.addmm_(xs[0], ws[0].T)
-        out += block
-    return out
+            small.addmm_(x_small[i][:, cols], w_words[j][:, cols].T)
+    return out + small if scheme.small else out
+
+
+class SplitWeight(NamedTuple):
+    """A weight [N, K] and the words of it and of its transpose."""
+
+    weight: torch.Tensor
+    forward: Words | None
+    backward: Words | None
 
 
 class ReferenceBackend:
@@ -83,14 +91,21 @@ class ReferenceBackend:
     def __init__(self, precision: str):
         self.scheme = SCHEMES[precision]
 
-    def prepare(self, weight: torch.Tensor) -> tuple[Words, Words]:
-        """Words of ``weight`` [N, K] for the forward and of its transpose for dX."""
+    def prepare(self, weight: torch.Tensor) -> SplitWeight:
+        """Words of ``weight`` [N, K] for the forward and of its transpose for dX (none
+        when it holds Inf/NaN: then the products are plain FP32)."""
         weight = weight.detach()
-        return self.scheme.words(weight), self.scheme.words(weight.T.contiguous())
+        if not torch.isfinite(weight).all():
+            return SplitWeight(weight, None, None)
+        return SplitWeight(weight, self.scheme.words(weight), self.scheme.words(weight.T.contiguous()))
 
-    def forward(self, x: torch.Tensor, prepared: tuple[Words, Words], bias: torch.Tensor | None) -> torch.Tensor:
-        y = emulated_mm(x, prepared[0], self.scheme)
+    def forward(self, x: torch.Tensor, prepared: SplitWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        if prepared.forward is None:
+            return torch.nn.functional.linear(x, prepared.weight, bias)
+        y = emulated_mm(x, prepared.forward, self.scheme)
         return y if bias is None else y + bias
 
-    def grad_input(self, grad_y: torch.Tensor, prepared: tuple[Words, Words]) -> torch.Tensor:
-        return emulated_mm(grad_y, prepared[1], self.scheme)
+    def grad_input(self, grad_y: torch.Tensor, prepared: SplitWeight) -> torch.Tensor:
+        if prepared.backward is None:
+            return grad_y @ prepared.weight
+        return emulated_mm(grad_y, prepared.backward, self.scheme)

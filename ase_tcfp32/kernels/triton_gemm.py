@@ -2,14 +2,21 @@
 
 ``y[M, N] = x[M, K] @ w[N, K]^T (+ bias)`` with ``w`` pre-split into tensor-core words
 and stored K-major (``nn.Linear`` layout, as TF32 wgmma wants); ``x`` is split in
-registers with the same bit rules as :mod:`ase_tcfp32.kernels.split`. In each K-tile
-the small products go into a fresh accumulator, NaN corrections are dropped, hi*hi is
-added on top and the tile result joins the FP32 running sum (see ``reference.py``).
+registers with the bit rules of :mod:`ase_tcfp32.kernels.split`. The arithmetic is the
+one of ``reference.py``: in each K-tile the hi*hi product is formed in a fresh
+tensor-core accumulator and joins the FP32 running sum with one IEEE addition; the
+small (correction) products go into a second tensor-core accumulator that runs over
+all of K and is added at the end. The tile sum is added one iteration late so that
+the tensor cores are not waited for right after each product (measured on H200:
+1.58-2.23x cuBLAS FP32 on the large PET-S shapes, against 1.41-1.88x when the
+corrections were chained into each tile, at the same error; ``docs/kernel_notes.md``).
+On Hopper the tiles come in through TMA descriptors; elsewhere through pointer loads.
 The dX backward is the same kernel with the pre-split ``w^T``.
 
 Offsets are int64 (M up to ~1e7 rows), M is not specialised on (no recompilation as
 the number of atoms changes), and the tile shape is chosen from (N, K). GEMMs too small
-to fill the GPU go to cuBLAS FP32 in the FP32-accurate modes (:func:`min_rows`).
+to fill the GPU, and weights holding Inf/NaN, go to cuBLAS FP32 in the FP32-accurate
+modes (:func:`min_rows`).
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ import triton
 import triton.language as tl
 
 from .split import round_tf32, split_bf16x3
+
+WORDS = {"tf32": 1, "tf32x3": 2, "bf16x9": 3}
+"""Tensor-core words per weight element."""
 
 
 @triton.jit
@@ -36,6 +46,18 @@ def _round_tf32(x):
 
 
 @triton.jit
+def _split_tf32(x):
+    """``(hi, lo, hi_c)``: RNA TF32 ``hi``, ``lo = x - hi``, and the ``hi`` the corrections
+    use. Inf inputs drop both corrections; NaN inputs reach the result through ``lo``."""
+    bits = x.to(tl.int32, bitcast=True)
+    magnitude = bits & 0x7FFFFFFF
+    rounded = (bits + 0x1000) & -8192
+    hi = tl.where(magnitude >= 0x7F7FF000, bits & -8192, rounded).to(tl.float32, bitcast=True)
+    infinite = magnitude == 0x7F800000
+    return hi, tl.where(infinite, 0.0, x - hi), tl.where(infinite, 0.0, hi)
+
+
+@triton.jit
 def _round_bf16(x):
     """RNE to BF16; a finite x that would round to Inf is truncated instead."""
     rounded = x.to(tl.bfloat16)
@@ -45,102 +67,92 @@ def _round_bf16(x):
 
 
 @triton.jit
-def _tile_offsets(M, N, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
-    """Row, column (int64) and K offsets of this program's output tile.
+def _split_bf16x3(x):
+    """``(w0, w1, w2, w0_c)``: three BF16 words and the ``w0`` the corrections use; the
+    corrections of Inf/NaN inputs are dropped (NaN reaches the result through ``w0``)."""
+    w0 = _round_bf16(x)
+    rest = x - w0.to(tl.float32)
+    w1 = _round_bf16(rest)
+    w2 = _round_bf16(rest - w1.to(tl.float32))
+    finite = tl.abs(x) < float("inf")
+    zero = tl.zeros_like(w0)
+    return w0, tl.where(finite, w1, zero), tl.where(finite, w2, zero), tl.where(finite, w0, zero)
 
-    Grouped tile order: GROUP_M row-tiles in a row share the W tiles in L2."""
+
+@triton.jit
+def _load_x(x_ptr, x_desc, rm, kk, row0, k0, M, K, stride_xm, TMA: tl.constexpr):
+    """The [BM, BK] tile of x, zeros outside."""
+    if TMA:
+        return x_desc.load([row0, k0])
+    return tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _load_w(w_ptr, w_desc, word, rn, kk, col0, k0, N, KP, TMA: tl.constexpr):
+    """The [BK, BN] tile of weight word ``word`` (words stored [WORDS, N, KP]).
+
+    Columns past N read the next word's rows (or zeros): they only feed output
+    columns that are never stored."""
+    if TMA:
+        return w_desc.load([word * N + col0, k0]).T
+    return tl.load(w_ptr + word * N * KP + rn[None, :] * KP + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < KP), other=0.0)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_kernel(
+    x_ptr, x_desc, w_ptr, w_desc, bias_ptr, y_ptr, M, N, K, KP, stride_xm, stride_ym,
+    WORDS: tl.constexpr, TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    # grouped tile order: GROUP_M row-tiles in a row share the W tiles in L2
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BM)
-    tiles_n = tl.cdiv(N, BN)
-    per_group = GROUP_M * tiles_n
+    per_group = GROUP_M * tl.cdiv(N, BN)
     first_m = (pid // per_group) * GROUP_M
     group_rows = min(tiles_m - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % group_rows
     pid_n = (pid % per_group) // group_rows
-    rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
-    rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
-    return rm, rn, tl.arange(0, BK)
+    row0, col0 = pid_m * BM, pid_n * BN
+    rm = row0.to(tl.int64) + tl.arange(0, BM)
+    rn = col0.to(tl.int64) + tl.arange(0, BN)
 
-
-@triton.jit
-def _store_tile(y_ptr, acc, bias_ptr, rm, rn, M, N, stride_ym, HAS_BIAS: tl.constexpr):
-    """Epilogue: add the bias in FP32 and store the tile."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)  # FP32 running sum of the hi*hi tiles
+    last = tl.zeros((BM, BN), dtype=tl.float32)  # the previous tile, added one step late
+    small = tl.zeros((BM, BN), dtype=tl.float32)  # tensor-core sum of the corrections
+    for k0 in range(0, K, BK):
+        kk = k0 + tl.arange(0, BK)
+        a = _load_x(x_ptr, x_desc, rm, kk, row0, k0, M, K, stride_xm, TMA)
+        b0 = _load_w(w_ptr, w_desc, 0, rn, kk, col0, k0, N, KP, TMA)
+        if WORDS == 1:
+            acc = tl.dot(_round_tf32(a), b0, acc, input_precision="tf32")
+        elif WORDS == 2:
+            b1 = _load_w(w_ptr, w_desc, 1, rn, kk, col0, k0, N, KP, TMA)
+            hi, lo, hi_c = _split_tf32(a)
+            tile = tl.dot(hi, b0, input_precision="tf32")
+            small = tl.dot(lo, b0, small, input_precision="tf32")
+            small = tl.dot(hi_c, b1, small, input_precision="tf32")
+            acc += last
+            last = tile
+        else:
+            b1 = _load_w(w_ptr, w_desc, 1, rn, kk, col0, k0, N, KP, TMA)
+            b2 = _load_w(w_ptr, w_desc, 2, rn, kk, col0, k0, N, KP, TMA)
+            a0, a1, a2, a0_c = _split_bf16x3(a)
+            tile = tl.dot(a0, b0)
+            small = tl.dot(a2, b2, small)  # smallest products first, as in reference.SCHEMES
+            small = tl.dot(a2, b1, small)
+            small = tl.dot(a1, b2, small)
+            small = tl.dot(a2, b0, small)
+            small = tl.dot(a1, b1, small)
+            small = tl.dot(a0_c, b2, small)
+            small = tl.dot(a1, b0, small)
+            small = tl.dot(a0_c, b1, small)
+            acc += last
+            last = tile
+    if WORDS > 1:
+        acc = (acc + last) + small
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0)[None, :]
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-
-@triton.jit(do_not_specialize=["M"])
-def _tf32_linear_kernel(
-    x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
-    PASSES: tl.constexpr, HAS_BIAS: tl.constexpr, FINITE_W: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-):  # fmt: skip
-    rm, rn, rk = _tile_offsets(M, N, BM, BN, BK, GROUP_M)
-    x_rows = x_ptr + rm[:, None] * stride_xm
-    w_cols = w_ptr + rn[None, :] * K  # w words: [PASSES > 1 ? 2 : 1, N, K]
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        kk = k0 + rk
-        a = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        w_mask = (kk[:, None] < K) & (rn[None, :] < N)
-        b_hi = tl.load(w_cols + kk[:, None], mask=w_mask, other=0.0)
-        a_hi = _round_tf32(a)
-        if PASSES == 3:
-            b_lo = tl.load(w_cols + N * K + kk[:, None], mask=w_mask, other=0.0)
-            if FINITE_W:  # zero the corrections of Inf/NaN inputs: no NaN mask on the tile
-                finite = tl.abs(a) < float("inf")
-                small = tl.dot(tl.where(finite, a - a_hi, 0.0), b_hi, input_precision="tf32")
-                small = tl.dot(tl.where(finite, a_hi, 0.0), b_lo, small, input_precision="tf32")
-            else:
-                small = tl.dot(a - a_hi, b_hi, input_precision="tf32")
-                small = tl.dot(a_hi, b_lo, small, input_precision="tf32")
-                small = tl.where(small == small, small, 0.0)
-            acc += tl.dot(a_hi, b_hi, small, input_precision="tf32")
-        else:
-            acc = tl.dot(a_hi, b_hi, acc, input_precision="tf32")
-    _store_tile(y_ptr, acc, bias_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _bf16x9_linear_kernel(
-    x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
-    HAS_BIAS: tl.constexpr, FINITE_W: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-):  # fmt: skip
-    rm, rn, rk = _tile_offsets(M, N, BM, BN, BK, GROUP_M)
-    x_rows = x_ptr + rm[:, None] * stride_xm
-    w_cols = w_ptr + rn[None, :] * K  # bf16 words: [3, N, K]
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        kk = k0 + rk
-        a = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        w_mask = (kk[:, None] < K) & (rn[None, :] < N)
-        b0 = tl.load(w_cols + kk[:, None], mask=w_mask, other=0.0)
-        b1 = tl.load(w_cols + N * K + kk[:, None], mask=w_mask, other=0.0)
-        b2 = tl.load(w_cols + 2 * N * K + kk[:, None], mask=w_mask, other=0.0)
-        a0 = _round_bf16(a)
-        rest = a - a0.to(tl.float32)
-        a1 = _round_bf16(rest)
-        a2 = _round_bf16(rest - a1.to(tl.float32))
-        a0_small = a0
-        if FINITE_W:  # zero the corrections of Inf/NaN inputs: no NaN mask on the tile
-            finite = tl.abs(a) < float("inf")
-            a0_small = tl.where(finite, a0, 0.0).to(tl.bfloat16)
-            a1 = tl.where(finite, a1, 0.0).to(tl.bfloat16)
-            a2 = tl.where(finite, a2, 0.0).to(tl.bfloat16)
-        small = tl.dot(a2, b2)  # smallest products first, as in reference.SCHEMES
-        small = tl.dot(a2, b1, small)
-        small = tl.dot(a1, b2, small)
-        small = tl.dot(a2, b0, small)
-        small = tl.dot(a1, b1, small)
-        small = tl.dot(a0_small, b2, small)
-        small = tl.dot(a1, b0, small)
-        small = tl.dot(a0_small, b1, small)
-        if not FINITE_W:
-            small = tl.where(small == small, small, 0.0)
-        acc += tl.dot(a0, b0, small)
-    _store_tile(y_ptr, acc, bias_ptr, rm, rn, M, N, stride_ym, HAS_BIAS)
 
 
 def tile_config(n: int, k: int) -> dict:
@@ -151,12 +163,13 @@ def tile_config(n: int, k: int) -> dict:
 
 
 class Gemm(NamedTuple):
-    """One direction of a split weight: words [words, N, K], launch config, dispatch."""
+    """One direction of a split weight: words [WORDS, N, KP], launch config, dispatch."""
 
-    words: torch.Tensor
+    words: torch.Tensor  # KP >= K: zero columns for 16-byte rows
     config: dict
     tiles_n: int
     min_rows: int  # fewer rows than this go to cuBLAS FP32 (see min_rows)
+    descriptor: object | None  # the words' TMA descriptor (Hopper and newer)
 
 
 class Prepared(NamedTuple):
@@ -165,7 +178,6 @@ class Prepared(NamedTuple):
     weight: torch.Tensor
     forward: Gemm
     backward: Gemm
-    finite: bool
 
 
 def min_rows(n: int, k: int, device: torch.device) -> int:
@@ -183,22 +195,37 @@ def min_rows(n: int, k: int, device: torch.device) -> int:
     return (triton.cdiv(sms, 2 * tiles_n) - 1) * config["BM"] + 1
 
 
-def _launch(x: torch.Tensor, gemm: Gemm, finite: bool, bias: torch.Tensor | None, precision: str) -> torch.Tensor:
+def _has_tma(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _tma_ready(x: torch.Tensor) -> bool:
+    """Whether ``x`` [M, K] meets TMA's rules: 16-byte aligned base and row stride."""
+    return x.stride(1) == 1 and (x.stride(0) * 4) % 16 == 0 and x.data_ptr() % 16 == 0
+
+
+def launch(x: torch.Tensor, gemm: Gemm, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ w^T (+ bias)`` with the split weight ``gemm``, as [M, N]."""
     m, k = x.shape
-    n = gemm.words.shape[1]
+    words, n, kp = gemm.words.shape
     y = torch.empty((m, n), device=x.device, dtype=torch.float32)
     if m == 0:
         return y
     if k == 0:
         return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
-    grid = (triton.cdiv(m, gemm.config["BM"]) * gemm.tiles_n,)
-    bias_arg = bias if bias is not None else y
-    common = (x, gemm.words, bias_arg, y, m, n, k, x.stride(0), y.stride(0))
-    if precision == "bf16x9":
-        _bf16x9_linear_kernel[grid](*common, HAS_BIAS=bias is not None, FINITE_W=finite, **gemm.config)
-    else:
-        passes = 3 if precision == "tf32x3" else 1
-        _tf32_linear_kernel[grid](*common, PASSES=passes, HAS_BIAS=bias is not None, FINITE_W=finite, **gemm.config)
+    config = gemm.config
+    tma = gemm.descriptor is not None and _tma_ready(x)
+    x_desc = None
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [config["BM"], config["BK"]])
+    grid = (triton.cdiv(m, config["BM"]) * gemm.tiles_n,)
+    _linear_kernel[grid](
+        x, x_desc, gemm.words, gemm.descriptor if tma else None, bias if bias is not None else y, y,
+        m, n, k, kp, x.stride(0), y.stride(0),
+        WORDS=words, TMA=tma, HAS_BIAS=bias is not None, **config,
+    )  # fmt: skip
     return y
 
 
@@ -206,7 +233,8 @@ class TritonBackend:
     """Our Triton kernels, with the layer interface of every backend.
 
     In tf32x3 and bf16x9, GEMMs too small to fill the GPU run cuBLAS FP32 instead
-    (:func:`min_rows`); single-pass tf32 always runs its kernel.
+    (:func:`min_rows`), and so do weights holding Inf/NaN (their outputs are Inf/NaN
+    wherever torch's are); single-pass tf32 always runs its kernel.
     """
 
     name = "triton"
@@ -222,25 +250,38 @@ class TritonBackend:
             return torch.stack([hi, w - hi])
         return torch.stack(split_bf16x3(w)).to(torch.bfloat16)  # exact: the words are BF16
 
-    def _gemm(self, w: torch.Tensor) -> Gemm:
+    def gemm(self, w: torch.Tensor, finite: bool = True, config: dict | None = None) -> Gemm:
+        """``w`` [N, K] split for ``y = x w^T``, launched with ``config`` (default
+        :func:`tile_config`)."""
         n, k = w.shape
-        config = tile_config(n, k)
+        config = config or tile_config(n, k)
         rows = 0 if self.precision == "tf32" else min_rows(n, k, w.device)
-        return Gemm(self._words(w), config, triton.cdiv(n, config["BN"]), rows)
+        if not finite and self.precision != "tf32":
+            rows = torch.iinfo(torch.int64).max
+        words = self._words(w)
+        kp = triton.cdiv(k, 8) * 8  # 16-byte rows for TMA, in FP32 and BF16 alike
+        words = torch.nn.functional.pad(words, (0, kp - k)).contiguous()
+        descriptor = None
+        if _has_tma(w.device):
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            flat = words.view(-1, kp)
+            descriptor = TensorDescriptor(flat, list(flat.shape), [kp, 1], [config["BN"], config["BK"]])
+        return Gemm(words, config, triton.cdiv(n, config["BN"]), rows, descriptor)
 
     def prepare(self, weight: torch.Tensor) -> Prepared:
-        """Words of ``weight`` [N, K] and of its transpose, each [words, rows, K]."""
+        """Words of ``weight`` [N, K] and of its transpose, each [WORDS, rows, KP]."""
         weight = weight.detach().float().contiguous()
         finite = bool(torch.isfinite(weight).all())
-        return Prepared(weight, self._gemm(weight), self._gemm(weight.T.contiguous()), finite)
+        return Prepared(weight, self.gemm(weight, finite), self.gemm(weight.T.contiguous(), finite))
 
     def forward(self, x: torch.Tensor, prepared: Prepared, bias: torch.Tensor | None) -> torch.Tensor:
         if x.shape[0] < prepared.forward.min_rows:
             return torch.nn.functional.linear(x, prepared.weight, bias)
         bias = None if bias is None else bias.detach().contiguous()
-        return _launch(x, prepared.forward, prepared.finite, bias, self.precision)
+        return launch(x, prepared.forward, bias)
 
     def grad_input(self, grad_y: torch.Tensor, prepared: Prepared) -> torch.Tensor:
         if grad_y.shape[0] < prepared.backward.min_rows:
             return grad_y @ prepared.weight
-        return _launch(grad_y, prepared.backward, prepared.finite, None, self.precision)
+        return launch(grad_y, prepared.backward)

@@ -2,10 +2,11 @@
 
 The schemes follow the package's Triton kernels step by step: operands split with
 :mod:`ase_tcfp32.kernels.split` (TF32 ``lo`` words truncated, as the hardware reads only
-their top 19 bits), along K tiles of 32 columns; in each tile the small products chain
-through a fresh tensor-core accumulator, NaN corrections are dropped, hi*hi chains on top,
-and the tile result joins the running sum with an IEEE FP32 addition. Single-pass ``tf32``
-is one chain over all of K. Each chain runs the bit-accurate block FMA of ``gpu``.
+their top 19 bits), along K tiles of 32 columns; in each tile hi*hi chains through a
+fresh tensor-core accumulator and joins the running sum with an IEEE FP32 addition, while
+the small products (zero for Inf inputs) chain through one accumulator over all of K,
+added at the end. Single-pass ``tf32`` is one chain over all of K. Each chain runs the
+bit-accurate block FMA of ``gpu``.
 
 On Blackwell the package runs BF16x9 through cuBLAS, whose internal order is not
 published: there the preview shows what our Triton BF16x9 kernel would compute.
@@ -32,6 +33,11 @@ def _words(x: np.ndarray, precision: str) -> list[np.ndarray]:
     return [w.numpy().astype(np.float64) for w in words]
 
 
+def _without_inf(words: list[np.ndarray], x: np.ndarray) -> list[np.ndarray]:
+    """The words as the corrections use them: zero where ``x`` is infinite."""
+    return [np.where(np.isinf(x), 0.0, word) for word in words]
+
+
 def emulated_matmul(
     x: np.ndarray, w: np.ndarray, precision: str, gpu: str | TensorCore = "H100", *, progress=None
 ) -> np.ndarray:
@@ -40,25 +46,24 @@ def emulated_matmul(
     scheme = SCHEMES[precision]
     fmt = _IN_FMT[precision]
     x_words = _words(x, precision)
+    x_small = _without_inf(x_words, x)
     w_words = [word.T.copy() for word in _words(w, precision)]  # [K, N]
     m, k = x.shape
     n = w.shape[0]
 
     def rows(r: slice) -> np.ndarray:
-        xs = [word[r] for word in x_words]
-        zero = np.zeros((xs[0].shape[0], n))
+        hi, xs = x_words[0][r], [word[r] for word in x_small]
+        zero = np.zeros((hi.shape[0], n))
         if not scheme.small:
-            return _chain(xs[0], w_words[0], zero, params, fmt, "fp32").astype(np.float32)
-        acc = zero.astype(np.float32)
+            return _chain(hi, w_words[0], zero, params, fmt, "fp32").astype(np.float32)
+        acc, small = zero.astype(np.float32), zero
         for k0 in range(0, k, BLOCK_K):
             tile = slice(k0, k0 + BLOCK_K)
-            small = zero
+            block = _chain(hi[:, tile], w_words[0][tile], zero, params, fmt, "fp32")
+            acc = acc + block.astype(np.float32)  # the FP32 running sum, IEEE round to nearest
             for i, j in scheme.small:
                 small = _chain(xs[i][:, tile], w_words[j][tile], small, params, fmt, "fp32")
-            small = np.where(np.isnan(small), 0.0, small)
-            block = _chain(xs[0][:, tile], w_words[0][tile], small, params, fmt, "fp32")
-            acc = acc + block.astype(np.float32)  # the FP32 running sum, IEEE round to nearest
-        return acc
+        return acc + small.astype(np.float32)
 
     tile_rows = max(1, TILE_ELEMENTS // max(1, n * params.block))
     return map_row_tiles(rows, m, n, tile_rows, progress).astype(np.float32)
