@@ -24,6 +24,8 @@ def _validate(args) -> None:
         options["relax"]["max_steps"] = args.relax_steps
     if args.relax_repeats is not None:
         options["relax"]["repeats"] = args.relax_repeats
+    if args.jobs > 1:
+        options["nve"]["jobs"] = options["relax"]["jobs"] = args.jobs
     if args.test == "all":
         report.run_all(model, precisions, args.device, args.out, args.quick, options)
         print(f"report: {args.out}/report.md")
@@ -84,6 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     validate.add_argument("--nve-ps", type=float, default=None, help="NVE length in ps (default 30)")
     validate.add_argument("--relax-steps", type=int, default=None, help="FIRE step limit (default 500)")
     validate.add_argument("--relax-repeats", type=int, default=None, help="FIRE repeats (default 3)")
+    validate.add_argument("--jobs", type=int, default=1,
+                          help="NVE and FIRE runs at once, in separate processes (small systems on a GPU)")
     validate.set_defaults(func=_validate)
     info = commands.add_parser("info", help="versions, GPUs, precisions and what auto picks")
     info.set_defaults(func=_info)

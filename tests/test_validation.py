@@ -63,6 +63,15 @@ def test_nve_runs_and_tracks_fp32(quick_suite):
     assert len(e32) == 21 and np.abs(e3 - e32).max() < 1e-5  # 100 steps, recorded every 5
 
 
+def test_nve_in_worker_processes_gives_the_same_trajectories(quick_suite, tmp_path):
+    """--jobs 2 runs the precisions in two spawned processes: same (deterministic CPU) results."""
+    main(["validate", "nve", "--model", "pet-demo-chgnet", "--quick", "--precisions", "fp32,tf32x3",
+          "--jobs", "2", "--out", str(tmp_path), "--device", "cpu"])  # fmt: skip
+    parallel, serial = load(tmp_path, "nve")["traces"], load(quick_suite, "nve")["traces"]
+    for precision in ("fp32", "tf32x3"):
+        assert parallel[precision]["e_tot_eV_atom"] == serial[precision]["e_tot_eV_atom"]
+
+
 def test_relax_trajectories_agree_at_the_start(quick_suite):
     runs = load(quick_suite, "relax")["runs"]
     f32 = np.array(runs["fp32"][0]["fmax_trace"][:10])

@@ -49,6 +49,23 @@ def environment(device: str | None) -> dict:
     return env
 
 
+def run_jobs(function, tasks: list[tuple], jobs: int) -> list:
+    """``[function(*task) for task in tasks]``, in ``jobs`` worker processes when > 1.
+
+    Small-system MD on a GPU is bound by kernel launches on the host and leaves the GPU
+    mostly idle, so independent trajectories run concurrently in separate processes
+    (spawned: each has its own CUDA context). Per-step times are then not speeds.
+    """
+    if jobs <= 1 or len(tasks) <= 1:
+        return [function(*task) for task in tasks]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=context) as pool:
+        return list(pool.map(function, *zip(*tasks)))
+
+
 def write(out: str | os.PathLike, name: str, results: dict, figure=None) -> dict:
     """Write ``<name>.json`` (and ``<name>.png``) into ``out``; return ``results``."""
     out = Path(out)

@@ -8,13 +8,14 @@ from ase.md.verlet import VelocityVerlet
 from ase.units import fs
 from tqdm.auto import tqdm
 
-from .common import calculator, environment, table, write
+from .common import calculator, environment, run_jobs, table, write
 from .systems import water_box
 
 
 def run(model: str, precisions: list[str], device=None, out="validation", ps=30.0, timestep_fs=0.5,
-        molecules=64, temperature_K=300.0, seed=0, every=10) -> dict:  # fmt: skip
-    """NVE of a water box (``molecules`` H2O) for ``ps`` picoseconds from the same start.
+        molecules=64, temperature_K=300.0, seed=0, every=10, jobs=1) -> dict:  # fmt: skip
+    """NVE of a water box (``molecules`` H2O) for ``ps`` picoseconds from the same start;
+    ``jobs`` > 1 runs the precisions in that many processes at once.
 
     Drift: slope of a linear fit of E_tot(t), eV/atom/ps; fluctuation: std of the residual.
     Pass: |drift| <= 2 x FP32's |drift| (+ the fit's standard error).
@@ -23,29 +24,14 @@ def run(model: str, precisions: list[str], device=None, out="validation", ps=30.
     start = water_box(molecules, seed=seed)
     thermalize_momenta(start, temperature_K=temperature_K, rng=np.random.default_rng(seed))
     Stationary(start)
-    traces, rows = {}, []
-    for precision in precisions:
-        atoms = start.copy()
-        atoms.calc = calculator(model, precision, device)
-        dyn = VelocityVerlet(atoms, timestep=timestep_fs * fs)
-        times, energies = [], []
-        bar = tqdm(total=steps, desc=f"NVE {precision}", leave=False)
-
-        def record():
-            times.append(dyn.nsteps * timestep_fs / 1000)
-            energies.append(atoms.get_total_energy() / len(atoms))
-            bar.update(every if dyn.nsteps else 0)
-
-        dyn.attach(record, interval=every)
-        dyn.run(steps)
-        bar.close()
-        t, e = np.array(times), np.array(energies)
+    tasks = [(model, precision, device, start, steps, timestep_fs, every) for precision in precisions]
+    traces, rows = dict(zip(precisions, run_jobs(_trajectory, tasks, jobs))), []
+    for precision, (t, e) in traces.items():
         (slope, intercept), cov = np.polyfit(t, e, 1, cov=True) if len(t) > 3 else ((np.nan, np.nan), np.full((2, 2), np.nan))
         rows.append({
             "precision": precision, "drift_eV_atom_ps": float(slope), "drift_stderr": float(np.sqrt(cov[0, 0])),
             "fluctuation_eV_atom": float(np.std(e - (slope * t + intercept))), "finite": bool(np.all(np.isfinite(e))),
         })  # fmt: skip
-        traces[precision] = (t, e)
     reference = next((r for r in rows if r["precision"] == "fp32"), None)
     for row in rows:
         if reference and row["precision"] not in ("fp32", "tf32"):
@@ -60,6 +46,25 @@ def run(model: str, precisions: list[str], device=None, out="validation", ps=30.
     print(table(rows, [("precision", "precision", "s"), ("drift_eV_atom_ps", "drift (eV/atom/ps)", ".2e"),
                        ("drift_stderr", "+-", ".1e"), ("fluctuation_eV_atom", "fluct. (eV/atom)", ".2e"), ("passed", "pass", "")]))  # fmt: skip
     return results
+
+
+def _trajectory(model, precision, device, start, steps, timestep_fs, every) -> tuple[np.ndarray, np.ndarray]:
+    """Times (ps) and total energies (eV/atom) every ``every`` steps of one NVE run."""
+    atoms = start.copy()
+    atoms.calc = calculator(model, precision, device)
+    dyn = VelocityVerlet(atoms, timestep=timestep_fs * fs)
+    times, energies = [], []
+    bar = tqdm(total=steps, desc=f"NVE {precision}", leave=False)
+
+    def record():
+        times.append(dyn.nsteps * timestep_fs / 1000)
+        energies.append(atoms.get_total_energy() / len(atoms))
+        bar.update(every if dyn.nsteps else 0)
+
+    dyn.attach(record, interval=every)
+    dyn.run(steps)
+    bar.close()
+    return np.array(times), np.array(energies)
 
 
 def _plot(traces):

@@ -8,33 +8,22 @@ import numpy as np
 from ase.optimize import FIRE
 from tqdm.auto import tqdm
 
-from .common import calculator, environment, table, write
+from .common import calculator, environment, run_jobs, table, write
 from .systems import cantor_slab
 
 
 def run(model: str, precisions: list[str], device=None, out="validation", fmax=1e-3, max_steps=500,
-        repeats=3, size=(7, 7, 11), rattle=0.05) -> dict:  # fmt: skip
+        repeats=3, size=(7, 7, 11), rattle=0.05, jobs=1) -> dict:  # fmt: skip
     """FIRE to ``fmax`` eV/Å (at most ``max_steps``) from ``repeats`` seeded starts
-    (species arrangement and a ``rattle`` Å displacement per seed).
+    (species arrangement and a ``rattle`` Å displacement per seed); ``jobs`` > 1 runs
+    that many relaxations at once in separate processes.
 
     Pass: converged in every repeat, and mean steps within 2% of FP32's.
     """
-    runs, rows = {}, []
+    tasks = [(model, p, device, seed, size, rattle, fmax, max_steps) for p in precisions for seed in range(repeats)]
+    done = iter(run_jobs(_relax, tasks, jobs))
+    runs, rows = {p: [next(done) for _ in range(repeats)] for p in precisions}, []
     for precision in precisions:
-        calc = calculator(model, precision, device)
-        runs[precision] = []
-        for seed in tqdm(range(repeats), desc=f"FIRE {precision}", leave=False):
-            atoms = cantor_slab(size=size, seed=seed)
-            atoms.rattle(rattle, seed=seed)
-            atoms.calc = calc
-            trace = []
-            opt = FIRE(atoms, logfile=None)
-            opt.attach(lambda: trace.append(float(np.linalg.norm(atoms.get_forces(), axis=1).max())))
-            start = time.perf_counter()
-            converged = opt.run(fmax=fmax, steps=max_steps)
-            elapsed = time.perf_counter() - start
-            runs[precision].append({"seed": seed, "steps": opt.nsteps, "converged": bool(converged),
-                                    "final_fmax": trace[-1], "s_per_step": elapsed / max(1, opt.nsteps), "fmax_trace": trace})  # fmt: skip
         r = runs[precision]
         rows.append({
             "precision": precision, "steps": float(np.mean([x["steps"] for x in r])),
@@ -54,6 +43,24 @@ def run(model: str, precisions: list[str], device=None, out="validation", fmax=1
     print(table(rows, [("precision", "precision", "s"), ("steps", "mean steps", ".1f"), ("converged", "converged", "s"),
                        ("final_fmax", "final fmax", ".2e"), ("ms_per_step", "ms/step", ".1f"), ("passed", "pass", "")]))  # fmt: skip
     return results
+
+
+def _relax(model, precision, device, seed, size, rattle, fmax, max_steps) -> dict:
+    """One FIRE relaxation: steps, convergence, final fmax, seconds per step, fmax trace."""
+    atoms = cantor_slab(size=size, seed=seed)
+    atoms.rattle(rattle, seed=seed)
+    atoms.calc = calculator(model, precision, device)
+    trace = []
+    opt = FIRE(atoms, logfile=None)
+    opt.attach(lambda: trace.append(float(np.linalg.norm(atoms.get_forces(), axis=1).max())))
+    bar = tqdm(total=max_steps + 1, desc=f"FIRE {precision} #{seed}", leave=False)
+    opt.attach(lambda: bar.update(1))
+    start = time.perf_counter()
+    converged = opt.run(fmax=fmax, steps=max_steps)
+    elapsed = time.perf_counter() - start
+    bar.close()
+    return {"seed": seed, "steps": opt.nsteps, "converged": bool(converged), "final_fmax": trace[-1],
+            "s_per_step": elapsed / max(1, opt.nsteps), "fmax_trace": trace}  # fmt: skip
 
 
 def _plot(runs):
