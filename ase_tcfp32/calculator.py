@@ -46,6 +46,24 @@ def _check_emulation(emulate: str, precision: str, device) -> None:
         raise ValueError(f"emulate={emulate!r} runs the tensor-core model on CPU; pass device='cpu' or None")
 
 
+_DYNAMO_OPTIONS = dict(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True, specialize_int=True)
+"""What PET's data-dependent shapes need (metatrain's own torch.compile recipe)."""
+_INDUCTOR_OPTIONS = {"triton.coalesce_tiling_analysis": False}
+"""torch 2.11's coalescing analysis asserted on PET's dynamic shapes on an H200."""
+
+
+def _compile_backend(backend: torch.nn.Module) -> None:
+    """Compile the three tensor-only stages of metatrain's ``PETBackend`` in place."""
+    for name in ("preprocess", "calculate_features", "predict"):
+        compiled = torch.compile(getattr(backend, name), dynamic=True, options=_INDUCTOR_OPTIONS)
+
+        def call(*args, _compiled=compiled, **kwargs):
+            with torch._dynamo.config.patch(**_DYNAMO_OPTIONS):  # scoped: no global change
+                return _compiled(*args, **kwargs)
+
+        setattr(backend, name, call)
+
+
 class TCPETCalculator(Calculator):
     """PET / PET-MAD in ASE with FP32-accurate tensor-core matrix products.
 
@@ -61,6 +79,10 @@ class TCPETCalculator(Calculator):
         :mod:`ase_tcfp32.tcmodel`): run every Linear layer on CPU through the bit-accurate
         model of that GPU's tensor cores (slow; for previews of small systems).
     :param neighbor_skin: Verlet skin in Å of the cached neighbour lists.
+    :param compile: run PET's tensor code through ``torch.compile`` (dynamic shapes, so
+        moving atoms do not recompile; the first call compiles for tens of seconds).
+        Fuses elementwise work and cuts kernel launches; the emulated GEMMs stay our
+        kernels (a custom op the compiler does not look into).
 
     Units: energy eV, forces eV/Å, stress eV/Å³ in Voigt order (xx, yy, zz, yz, xz, xy),
     positive under tension. Stress needs periodicity in all three directions.
@@ -77,6 +99,7 @@ class TCPETCalculator(Calculator):
         device: str | torch.device | None = None,
         emulate: str | None = None,
         neighbor_skin: float = 2.0,
+        compile: bool = False,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -98,6 +121,9 @@ class TCPETCalculator(Calculator):
         if self.precision != "fp32" and dtype != torch.float32:
             raise ValueError(f"precision {self.precision!r} needs a float32 model, this one is {dtype}")
         swap_linear_layers(self.pet, self.precision, emulate=emulate)
+        self.compiled = compile
+        if compile:
+            _compile_backend(self.pet.backend)
         self.atomic_types = frozenset(int(t) for t in self.pet.atomic_types)
         self.cutoff = float(self.pet.cutoff)
         atomistic = self.pet.export().eval()
@@ -114,9 +140,10 @@ class TCPETCalculator(Calculator):
             self.model_name = os.path.basename(os.fspath(model))
 
     def __repr__(self) -> str:
+        compiled = ", compile=True" if self.compiled else ""
         return (
             f"TCPETCalculator(model={self.model_name!r}, precision={self.precision!r}, "
-            f"backend={self.backend!r}, device='{self.device}')"
+            f"backend={self.backend!r}, device='{self.device}'{compiled})"
         )
 
     def _repr_html_(self) -> str:

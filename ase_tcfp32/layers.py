@@ -9,9 +9,11 @@ takes the ordinary FP32 path.
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from .kernels import get_backend
 from .precision import PRECISIONS, check_name
@@ -24,25 +26,72 @@ K the split's dropped lo*lo term makes tf32x3 several times less accurate than F
 (measured 3-8x at K <= 5), and such GEMMs are memory-bound, so FP32 costs nothing."""
 
 
-class _TCLinearFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, backend, prepared):
-        ctx.backend, ctx.prepared = backend, prepared
-        ctx.save_for_backward(x if weight.requires_grad else None)
-        return backend.forward(x, prepared, bias)
+_LAYERS: dict[int, weakref.ref] = {}
+"""Live TCLinear layers by id, so that the custom op finds a layer's cached weight split."""
+_ids = itertools.count()
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_y):
-        (x,) = ctx.saved_tensors
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = ctx.backend.grad_input(grad_y.contiguous(), ctx.prepared)
-        if ctx.needs_input_grad[1]:
-            grad_w = grad_y.T @ x
-        if ctx.needs_input_grad[2]:
-            grad_b = grad_y.sum(0)
-        return grad_x, grad_w, grad_b, None, None
+
+def _split(weight: torch.Tensor, precision: str, emulate: str | None, layer: int, device: torch.device):
+    """The backend and the weight's split: the layer's cached one, or made now (layer < 0)."""
+    backend = get_backend(precision, device, emulate)
+    owner = _LAYERS[layer]() if layer >= 0 else None
+    return backend, (owner.prepared_weight(device) if owner is not None else backend.prepare(weight))
+
+
+@torch.library.custom_op("ase_tcfp32::linear", mutates_args=())
+def _linear_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, precision: str, emulate: str | None, layer: int
+) -> torch.Tensor:
+    """``x [M, K] @ weight.T + bias`` -> [M, N] in ``precision``; opaque to ``torch.compile``."""
+    backend, prepared = _split(weight, precision, emulate, layer, x.device)
+    return backend.forward(x, prepared, bias)
+
+
+@torch.library.custom_op("ase_tcfp32::linear_grad_input", mutates_args=())
+def _linear_grad_input_op(
+    grad_y: torch.Tensor, weight: torch.Tensor, precision: str, emulate: str | None, layer: int
+) -> torch.Tensor:
+    """``grad_y [M, N] @ weight`` -> [M, K] in ``precision``: the input gradient."""
+    backend, prepared = _split(weight, precision, emulate, layer, grad_y.device)
+    return backend.grad_input(grad_y, prepared)
+
+
+@_linear_op.register_fake
+def _(x, weight, bias, precision, emulate, layer):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@_linear_grad_input_op.register_fake
+def _(grad_y, weight, precision, emulate, layer):
+    return grad_y.new_empty(grad_y.shape[0], weight.shape[1])
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, ctx.precision, ctx.emulate, ctx.layer = inputs
+    ctx.save_for_backward(x if weight.requires_grad else None, weight)
+
+
+def _backward(ctx, grad_y):
+    x, weight = ctx.saved_tensors
+    grad_x = grad_w = grad_b = None
+    if ctx.needs_input_grad[0]:
+        grad_x = _linear_grad_input_op(grad_y.contiguous(), weight, ctx.precision, ctx.emulate, ctx.layer)
+    if ctx.needs_input_grad[1]:
+        grad_w = grad_y.T @ x
+    if ctx.needs_input_grad[2]:
+        grad_b = grad_y.sum(0)
+    return grad_x, grad_w, grad_b, None, None, None
+
+
+_linear_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _linear(input, weight, bias, precision: str, emulate: str | None, layer: int) -> torch.Tensor:
+    x2d = input.reshape(-1, input.shape[-1])
+    if not x2d.is_contiguous():
+        x2d = x2d.contiguous()
+    y = _linear_op(x2d, weight, bias, precision, emulate, layer)
+    return y.reshape(*input.shape[:-1], weight.shape[0])
 
 
 def tc_linear(
@@ -50,13 +99,12 @@ def tc_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     precision: str = "tf32x3",
-    prepared: object | None = None,
     emulate: str | None = None,
 ) -> torch.Tensor:
     """Functional twin of :class:`TCLinear`: ``input @ weight.T + bias`` in ``precision``.
 
-    ``input`` [..., K] and ``weight`` [N, K] are float32; returns [..., N].
-    ``prepared`` is the backend's split of ``weight``, made here if not given.
+    ``input`` [..., K] and ``weight`` [N, K] are float32; returns [..., N]. The weight is
+    split into tensor-core words on every call (:class:`TCLinear` keeps its split).
     ``emulate`` names a GPU (``"A100"``, ``"H100"``...) whose tensor cores the
     bit-accurate model of :mod:`ase_tcfp32.tcmodel` imitates (slow, CPU).
     """
@@ -64,14 +112,7 @@ def tc_linear(
         raise ValueError(f"tc_linear needs one of {', '.join(EMULATED)}, got {precision!r}")
     if input.dtype != torch.float32 or weight.dtype != torch.float32:
         raise TypeError(f"tc_linear needs float32 tensors, got {input.dtype} and {weight.dtype}")
-    backend = get_backend(precision, input.device, emulate)
-    if prepared is None:
-        prepared = backend.prepare(weight)
-    x2d = input.reshape(-1, input.shape[-1])
-    if not x2d.is_contiguous():
-        x2d = x2d.contiguous()
-    y = _TCLinearFunction.apply(x2d, weight, bias, backend, prepared)
-    return y.reshape(*input.shape[:-1], weight.shape[0])
+    return _linear(input, weight, bias, precision, emulate, -1)
 
 
 class TCLinear(nn.Linear):
@@ -91,8 +132,18 @@ class TCLinear(nn.Linear):
         super().__init__(in_features, out_features, bias, device, dtype)
         self.precision = precision
         self.emulate = emulate
+        self._register()
+
+    def _register(self) -> None:
+        """A fresh id under which the custom op finds this layer (and its weight split)."""
+        self._layer_id = next(_ids)
         self._cache_key: tuple | None = None
         self._prepared: object | None = None
+        _LAYERS[self._layer_id] = weakref.ref(self, lambda _, i=self._layer_id: _LAYERS.pop(i, None))
+
+    def __setstate__(self, state: dict) -> None:  # copies (deepcopy, pickle) get their own id
+        super().__setstate__(state)
+        self._register()
 
     @property
     def precision(self) -> str:
@@ -123,6 +174,7 @@ class TCLinear(nn.Linear):
         layer.weight, layer.bias = linear.weight, linear.bias
         layer.precision = precision
         layer.emulate = emulate
+        layer._register()
         return layer
 
     def to_linear(self) -> nn.Linear:
@@ -143,8 +195,7 @@ class TCLinear(nn.Linear):
         return self._prepared
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        prepared = self.prepared_weight(input.device)
-        return tc_linear(input, self.weight, self.bias, self._precision, prepared, self._emulate)
+        return _linear(input, self.weight, self.bias, self._precision, self._emulate, self._layer_id)
 
     def extra_repr(self) -> str:
         emulate = f", emulate={self._emulate}" if self._emulate else ""

@@ -201,3 +201,36 @@ def test_gemms_too_small_for_the_gpu_use_cublas_fp32(triton_backends):
     assert torch.equal(run(triton_backends["tf32x3"], x, w), expected)
     assert torch.equal(run(triton_backends["bf16x9"], x, w), expected)
     assert not torch.equal(run(triton_backends["tf32"], x, w), expected)  # single pass stays TF32
+
+
+def test_systems_past_the_sdpa_grid_limit():
+    """66,000 atoms: PET's attention backward runs in chunks of 65,535 atoms (metatrain
+    splits the batch and warns); energies and forces stay FP32-accurate through our layers."""
+    import warnings
+
+    from ase_tcfp32.validation import water_box
+
+    atoms = water_box(22_000, seed=1)
+    results = {}
+    for precision in ("fp32", "tf32x3"):
+        atoms.calc = TCPETCalculator("pet-demo-chgnet", precision=precision, device="cuda")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            results[precision] = atoms.get_potential_energy(), atoms.get_forces()
+        torch.cuda.empty_cache()
+    (e32, f32), (e3, f3) = results["fp32"], results["tf32x3"]
+    assert np.isfinite(f3).all() and len(f3) == 66_000
+    assert abs(e3 - e32) / len(atoms) < 1e-5
+    assert np.abs(f3 - f32).max() < 1e-3
+
+
+def test_compiled_calculator_on_gpu(tiny_ckpt, water192):
+    """torch.compile around our Triton kernels (a custom op): same forces as eager."""
+    results = {}
+    for compile in (False, True):
+        atoms = water192.copy()
+        atoms.calc = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", compile=compile)
+        results[compile] = atoms.get_potential_energy(), atoms.get_forces()
+    (e0, f0), (e1, f1) = results[False], results[True]
+    assert abs(e1 - e0) / len(water192) < 2e-6
+    assert np.abs(f1 - f0).max() < 3e-5
