@@ -31,7 +31,7 @@ UPET_MODELS = (
 BUNDLED = {"pet-demo-chgnet": "pet-demo-chgnet.ckpt"}
 """Models shipped inside the package (``ase_tcfp32/data``), loaded with no network.
 
-``pet-demo-chgnet``: a small PET (PET-MAD architecture rule, d_pet 32) distilled from the
+``pet-demo-chgnet``: a small PET (PET-MAD architecture rule, d_pet 64) distilled from the
 CHGNet r2SCAN model on water, CO/Pt(111) and Cantor-alloy structures. A demo model for
 examples, tests and validation, **not PET-MAD**; its accuracy is in ``docs/demo_model.md``."""
 

@@ -5,7 +5,7 @@
 
 The teacher ships inside its PyPI package (``chgnet/pretrained/r2scan``), so this runs
 offline; it is not a dependency of ase-tcfp32. Every structure is seeded. Families:
-water (compressed to expanded boxes, short 300-400 K Langevin runs), CO and its fragments
+water (compressed to expanded boxes, short 300-500 K Langevin runs), CO and its fragments
 on Pt(111) at many heights (the 1.2-6.0 Å pull-off included), CoCrFeMnNi bulk and fcc(111)
 slabs (rattled, strained), and a little diversity (Pt bulk, molecules in vacuum).
 Writes ``train.xyz``, ``val.xyz``, ``test.xyz`` (80/10/10 per family, energy in eV,
@@ -53,7 +53,9 @@ def water(calc, rng) -> list[Atoms]:
     frames = []
     for i, (n_mol, density, temperature, steps) in enumerate(
         [(64, 1.0, 300, 24), (64, 0.95, 400, 24), (64, 1.0, 350, 24), (32, 1.0, 350, 40), (32, 1.08, 300, 40),
-         (32, 0.9, 400, 40), (32, 1.0, 300, 40), (32, 1.03, 330, 40), (16, 1.0, 400, 60), (16, 0.95, 300, 60)]
+         (32, 0.9, 400, 40), (32, 1.0, 300, 40), (32, 1.03, 330, 40), (16, 1.0, 400, 60), (16, 0.95, 300, 60),
+         (64, 1.0, 300, 48), (64, 1.02, 330, 48), (64, 0.98, 370, 48), (32, 1.0, 300, 80), (32, 0.97, 450, 80),
+         (16, 1.05, 350, 80), (16, 1.0, 500, 80)]
     ):
         atoms = water_box(n_mol, density=density, seed=100 + i)
         atoms.calc = calc
@@ -105,13 +107,13 @@ def cantor(calc, rng) -> list[Atoms]:
 
 def diversity(calc, rng) -> list[Atoms]:
     frames = []
-    for i in range(20):
+    for i in range(30):
         atoms = bulk("Pt", "fcc", a=3.92 * rng.uniform(0.96, 1.04), cubic=True) * (2, 2, 2)
         atoms.rattle(0.06, seed=i)
         frames.append(label(atoms, calc, "other"))
-    for i, name in enumerate(["H2O", "CO", "CO2", "H2", "O2", "CH4", "CH3OH", "H2O2"] * 3):
+    for i, name in enumerate(["H2O", "CO", "CO2", "H2", "O2", "CH4", "CH3OH", "H2O2"] * 10):
         atoms = molecule(name)
-        atoms.rattle(0.05, seed=i)
+        atoms.rattle(0.02 + 0.01 * (i // 8), seed=i)
         atoms.center(vacuum=5.0)
         frames.append(label(atoms, calc, "other"))
     return frames

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Rebuild the bundled demo PET from scratch (CPU, about 25 minutes on 2 cores):
+# Rebuild the bundled demo PET from scratch (CPU, about 2 hours on 2 cores):
 #   1. label the data with the CHGNet r2SCAN teacher (needs `pip install chgnet`, kept
 #      out of ase-tcfp32's requirements: use a separate environment, TEACHER_PYTHON);
 #   2. train with `mtt train` and the options in scripts/demo_model/options.yaml;

@@ -17,10 +17,10 @@ from ase_tcfp32.validation.accuracy import against_labels
 TEST_SET = Path(__file__).parent / "data" / "demo_model" / "test.xyz"
 
 DOCUMENTED = {  # docs/demo_model.md: energy MAE (meV/atom), force MAE (meV/Å) vs CHGNet r2SCAN
-    "cantor": (6.6, 112.0),
-    "co-pt111": (4.3, 46.4),
-    "water": (17.7, 204.1),
-    "other": (50.9, 110.1),
+    "cantor": (7.1, 105.4),
+    "co-pt111": (5.3, 44.8),
+    "water": (3.4, 88.7),
+    "other": (8.8, 98.3),
 }
 
 
