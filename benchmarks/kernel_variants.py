@@ -19,20 +19,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ase_tcfp32.kernels.split import round_tf32
-from ase_tcfp32.kernels.triton_gemm import _round_tf32
-
-
-@triton.jit
-def _split_cheap(a):
-    """hi/lo/hi-for-corrections with fewer ALU ops (finite weights only): NaN inputs
-    reach the result through lo, Inf inputs keep hi and drop both corrections."""
-    bits = a.to(tl.int32, bitcast=True)
-    mag = bits & 0x7FFFFFFF
-    rounded = (bits + 0x1000) & -8192
-    hi = tl.where(mag >= 0x7F7FF000, bits & -8192, rounded).to(tl.float32, bitcast=True)
-    is_inf = mag == 0x7F800000
-    lo = tl.where(is_inf, 0.0, a - hi)
-    return hi, lo, tl.where(is_inf, 0.0, hi)
+from ase_tcfp32.kernels.triton_gemm import _round_tf32, _split_tf32
 
 
 @triton.jit
@@ -71,7 +58,7 @@ def _variant_kernel(
             a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
             b_hi = tl.load(w_ptr + rn[None, :] * K + kk[:, None], mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
         if CHEAP:
-            hi, lo, hic = _split_cheap(a)
+            hi, lo, hic = _split_tf32(a)  # the production split
         else:
             hi, lo, hic = _split_exact(a)
         if SPLIT_ACC:  # hi*hi per tile (FP32 running sum); corrections in their own TC accumulator

@@ -26,12 +26,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .split import round_tf32, split_bf16x3
-
-WORDS = {"tf32": 1, "tf32x3": 2, "bf16x9": 3}
-"""Tensor-core words per weight element."""
-
 
 @triton.jit
 def _round_tf32(x):
@@ -217,8 +214,6 @@ def launch(x: torch.Tensor, gemm: Gemm, bias: torch.Tensor | None = None) -> tor
     tma = gemm.descriptor is not None and _tma_ready(x)
     x_desc = None
     if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
         x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [config["BM"], config["BK"]])
     grid = (triton.cdiv(m, config["BM"]) * gemm.tiles_n,)
     _linear_kernel[grid](
@@ -263,8 +258,6 @@ class TritonBackend:
         words = torch.nn.functional.pad(words, (0, kp - k)).contiguous()
         descriptor = None
         if _has_tma(w.device):
-            from triton.tools.tensor_descriptor import TensorDescriptor
-
             flat = words.view(-1, kp)
             descriptor = TensorDescriptor(flat, list(flat.shape), [kp, 1], [config["BN"], config["BK"]])
         return Gemm(words, config, triton.cdiv(n, config["BN"]), rows, descriptor)
