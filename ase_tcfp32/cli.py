@@ -12,6 +12,12 @@ def _validate(args) -> None:
     from .validation import report
     from .validation.common import resolve_model
 
+    if args.test == "report":
+        report.from_files(args.out)
+        print(f"report: {args.out}/report.md")
+        return
+    if args.model is None:
+        raise SystemExit(f"validate {args.test} needs --model")
     precisions = args.precisions.split(",")
     for p in precisions:
         if p not in PRECISIONS:
@@ -77,8 +83,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="ase-tcfp32", description="PET in ASE with FP32-accurate tensor-core GEMMs")
     commands = parser.add_subparsers(dest="command", required=True)
     validate = commands.add_parser("validate", help="fidelity tests of the precision modes")
-    validate.add_argument("test", choices=["single-point", "smoothness", "nve", "relax", "speed", "all"])
-    validate.add_argument("--model", required=True, help="uPET name, checkpoint path, or random:<tiny|xs|s|m>")
+    validate.add_argument("test", choices=["single-point", "smoothness", "nve", "relax", "speed", "all", "report"],
+                          help="a test, all of them, or 'report': report.md from the results already in --out")
+    validate.add_argument("--model", help="uPET name, checkpoint path, or random:<tiny|xs|s|m>")
     validate.add_argument("--precisions", default="fp32,tf32,tf32x3,bf16x9")
     validate.add_argument("--device", default=None)
     validate.add_argument("--out", default="validation")

@@ -17,10 +17,10 @@ from ase_tcfp32.validation.accuracy import against_labels
 TEST_SET = Path(__file__).parent / "data" / "demo_model" / "test.xyz"
 
 DOCUMENTED = {  # docs/demo_model.md: energy MAE (meV/atom), force MAE (meV/Å) vs CHGNet r2SCAN
-    "cantor": (7.1, 105.4),
-    "co-pt111": (5.3, 44.8),
-    "water": (3.4, 88.7),
-    "other": (8.8, 98.3),
+    "cantor": (5.1, 101.7),
+    "co-pt111": (4.5, 38.4),
+    "water": (3.2, 85.5),
+    "other": (5.5, 101.4),
 }
 
 

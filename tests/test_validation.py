@@ -63,6 +63,22 @@ def test_nve_runs_and_tracks_fp32(quick_suite):
     assert len(e32) == 21 and np.abs(e3 - e32).max() < 1e-5  # 100 steps, recorded every 5
 
 
+def test_nve_measures_fp32_run_to_run_noise_from_a_displaced_start(quick_suite):
+    result = load(quick_suite, "nve")
+    assert [r["precision"] for r in result["rows"]][:2] == ["fp32", "fp32 noise"]
+    e32, noise = (np.array(result["traces"][p]["e_tot_eV_atom"]) for p in ("fp32", "fp32 noise"))
+    assert 0 < np.abs(noise - e32).max() < 1e-5
+
+
+def test_report_from_the_files_of_tests_run_one_by_one(quick_suite, capsys):
+    before = (quick_suite / "report.md").read_text()
+    (quick_suite / "report.md").unlink()
+    main(["validate", "report", "--out", str(quick_suite)])
+    assert (quick_suite / "report.md").read_text() == before
+    with pytest.raises(FileNotFoundError, match="no validation results"):
+        main(["validate", "report", "--out", str(quick_suite / "empty")])
+
+
 def test_nve_in_worker_processes_gives_the_same_trajectories(quick_suite, tmp_path):
     """--jobs 2 runs the precisions in two spawned processes: same (deterministic CPU) results."""
     main(["validate", "nve", "--model", "pet-demo-chgnet", "--quick", "--precisions", "fp32,tf32x3",

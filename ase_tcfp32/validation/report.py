@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from . import nve, relax, single_point, smoothness, speed
@@ -37,7 +38,18 @@ def run_all(model: str, precisions: list[str], device=None, out="validation", qu
     """Every test, then ``report.md`` in ``out``; ``options`` maps test names to settings."""
     options = options or {}
     results = {name: run(name, model, precisions, device, out, quick, **options.get(name, {})) for name in TESTS}
-    Path(out, "report.md").write_text(markdown(results, model, device))
+    Path(out, "report.md").write_text(markdown(results, model, environment(device)))
+    return results
+
+
+def from_files(out="validation") -> dict:
+    """``report.md`` in ``out`` from the tests' JSON files there (tests run one by one,
+    e.g. in separate jobs); the model and environment are the ones the files record."""
+    results = {name: json.loads(path.read_text()) for name in TESTS if (path := Path(out, f"{name}.json")).exists()}
+    if not results:
+        raise FileNotFoundError(f"no validation results (*.json of {', '.join(TESTS)}) in '{out}'")
+    first = next(iter(results.values()))
+    Path(out, "report.md").write_text(markdown(results, first["model"], first["environment"]))
     return results
 
 
@@ -46,8 +58,7 @@ def _verdict(rows) -> str:
     return "; ".join(verdicts) or "no pass criterion applies"
 
 
-def markdown(results: dict, model: str, device) -> str:
-    env = environment(device)
+def markdown(results: dict, model: str, env: dict) -> str:
     lines = ["# Validation report\n", f"Model: `{model}`. Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()) + ".\n"]
     for name, result in results.items():
         lines.append(f"## {name}\n")
