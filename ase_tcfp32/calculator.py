@@ -16,7 +16,7 @@ from ase.calculators.calculator import Calculator, PropertyNotImplementedError, 
 from ase.data import chemical_symbols
 
 from .layers import swap_linear_layers
-from .models import load_pet
+from .models import load_pet, recompute_gnn_layers
 from .precision import check_name, ieee_fp32_matmul, resolve_precision, support
 from .tcmodel import tensor_core
 
@@ -83,6 +83,9 @@ class TCPETCalculator(Calculator):
         moving atoms do not recompile; the first call compiles for tens of seconds).
         Fuses elementwise work and cuts kernel launches; the emulated GEMMs stay our
         kernels (a custom op the compiler does not look into).
+    :param low_memory: keep only each GNN layer's inputs for the backward pass and
+        recompute the rest there (``torch.utils.checkpoint``): much less memory for
+        forces on large systems, one extra forward pass of the GNN layers per step.
 
     Units: energy eV, forces eV/Å, stress eV/Å³ in Voigt order (xx, yy, zz, yz, xz, xy),
     positive under tension. Stress needs periodicity in all three directions.
@@ -100,6 +103,7 @@ class TCPETCalculator(Calculator):
         emulate: str | None = None,
         neighbor_skin: float = 2.0,
         compile: bool = False,
+        low_memory: bool = False,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -121,6 +125,9 @@ class TCPETCalculator(Calculator):
         if self.precision != "fp32" and dtype != torch.float32:
             raise ValueError(f"precision {self.precision!r} needs a float32 model, this one is {dtype}")
         swap_linear_layers(self.pet, self.precision, emulate=emulate)
+        self.low_memory = low_memory
+        if low_memory:
+            recompute_gnn_layers(self.pet)
         self.compiled = compile
         if compile:
             _compile_backend(self.pet.backend)
@@ -140,10 +147,10 @@ class TCPETCalculator(Calculator):
             self.model_name = os.path.basename(os.fspath(model))
 
     def __repr__(self) -> str:
-        compiled = ", compile=True" if self.compiled else ""
+        flags = (", compile=True" if self.compiled else "") + (", low_memory=True" if self.low_memory else "")
         return (
             f"TCPETCalculator(model={self.model_name!r}, precision={self.precision!r}, "
-            f"backend={self.backend!r}, device='{self.device}'{compiled})"
+            f"backend={self.backend!r}, device='{self.device}'{flags})"
         )
 
     def _repr_html_(self) -> str:

@@ -182,6 +182,30 @@ def load_pet(model: str | os.PathLike | torch.nn.Module, version: str = "latest"
     return pet.eval()
 
 
+class Recomputed(torch.nn.Module):
+    """``module`` whose intermediate activations are recomputed during the backward pass
+    instead of stored (``torch.utils.checkpoint``, non-reentrant)."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args):
+        if not torch.is_grad_enabled():
+            return self.module(*args)
+        return torch.utils.checkpoint.checkpoint(self.module, *args, use_reentrant=False)
+
+
+def recompute_gnn_layers(pet: torch.nn.Module) -> None:
+    """Store only each GNN layer's inputs for the forces' backward pass, not its attention
+    and feed-forward activations (which dominate memory on large systems); the layer runs
+    its forward again during the backward. Results are unchanged. In place."""
+    layers = pet.backend.gnn_layers
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, Recomputed):
+            layers[i] = Recomputed(layer)
+
+
 PET_MAD_SHAPES = {
     # name: (d_pet, GNN layers, attention layers, cutoff Å, adaptive neighbours)
     "tiny": (16, 2, 1, 5.0, 16),

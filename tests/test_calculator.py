@@ -203,3 +203,20 @@ def test_compiled_calculator_matches_eager_and_keeps_our_gemms(tiny_ckpt, water)
         assert np.abs(b.get_stress() - a.get_stress()).max() < 1e-6
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert frames <= 6  # three compiled stages (and their backward), not one per step
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32x3"])
+def test_low_memory_recomputes_and_gives_the_same_results(tiny_ckpt, water, precision):
+    """low_memory=True recomputes the GNN layers in the backward pass: same numbers."""
+    results = []
+    for low_memory in (False, True):
+        calc = TCPETCalculator(tiny_ckpt, precision=precision, device="cpu", low_memory=low_memory)
+        atoms = water.copy()
+        atoms.calc = calc
+        results.append((atoms.get_potential_energy(), atoms.get_forces(), atoms.get_stress()))
+    assert "low_memory=True" in repr(calc)
+    assert all(type(layer).__name__ == "Recomputed" for layer in calc.pet.backend.gnn_layers)
+    (e0, f0, s0), (e1, f1, s1) = results
+    assert e1 == e0
+    np.testing.assert_allclose(f1, f0, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(s1, s0, rtol=0, atol=1e-8)
