@@ -1,13 +1,14 @@
 """Time per ASE MD step (forces + velocity Verlet + neighbour-list updates) per precision.
 
-    python benchmarks/md_step.py [--models s,m] [--molecules 64,5760] [--compile both] [--out FILE.json]
+    python benchmarks/md_step.py [--models s,m] [--molecules 64,5760] [--compile both] [--low-memory] [--out FILE.json]
 
 For PET-MAD-S/-M-shaped models with random weights (speed only: their forces are not
 physical, so the runs are short and the time step small) and water boxes of 192 and
 17,280 atoms, runs velocity Verlet through ``TCPETCalculator`` in each precision and
 prints the median ms per step, the speed-up against FP32 measured in the same run (eager,
 and compiled with ``--compile both``: the best FP32 a user can get), and the peak GPU
-memory. A configuration that runs out of memory is reported as such.
+memory. A configuration that runs out of memory is reported as such. ``--low-memory``
+recomputes the GNN layers in the backward pass (``TCPETCalculator(low_memory=True)``).
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ from ase_tcfp32.validation import water_box
 from ase_tcfp32.validation.common import environment
 
 
-def time_steps(model, precision: str, atoms, steps: int, compile: bool, warmup: int = 3) -> dict:
+def time_steps(model, precision: str, atoms, steps: int, compile: bool, low_memory: bool = False, warmup: int = 3) -> dict:
     """Median and minimum ms per MD step and peak GPU memory (GB) of one precision;
     the first call's time (compilation included) separately."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        calc = TCPETCalculator(model, precision=precision, device="cuda", compile=compile)
+        calc = TCPETCalculator(model, precision=precision, device="cuda", compile=compile, low_memory=low_memory)
     atoms = atoms.copy()
     atoms.calc = calc
     MaxwellBoltzmannDistribution(atoms, temperature_K=300, rng=np.random.default_rng(0))
@@ -58,6 +59,7 @@ def main() -> None:
     parser.add_argument("--precisions", default="fp32,tf32x3,tf32")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--compile", choices=["no", "yes", "both"], default="no")
+    parser.add_argument("--low-memory", action="store_true", help="low_memory=True for every row")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     modes = {"no": [False], "yes": [True], "both": [False, True]}[args.compile]
@@ -70,9 +72,10 @@ def main() -> None:
             base = {}
             for compiled in modes:
                 for precision in args.precisions.split(","):
-                    row = {"model": f"random-{shape}", "atoms": len(atoms), "precision": precision, "compiled": compiled}
+                    row = {"model": f"random-{shape}", "atoms": len(atoms), "precision": precision, "compiled": compiled,
+                           "low_memory": args.low_memory}  # fmt: skip
                     try:
-                        row.update(time_steps(model, precision, atoms, args.steps, compiled))
+                        row.update(time_steps(model, precision, atoms, args.steps, compiled, args.low_memory))
                     except torch.OutOfMemoryError:
                         row["error"] = "out of memory"
                     torch.cuda.empty_cache()

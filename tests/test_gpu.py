@@ -234,3 +234,27 @@ def test_compiled_calculator_on_gpu(tiny_ckpt, water192):
     (e0, f0), (e1, f1) = results[False], results[True]
     assert abs(e1 - e0) / len(water192) < 2e-6
     assert np.abs(f1 - f0).max() < 3e-5
+
+
+def test_low_memory_lowers_the_peak_and_keeps_the_forces():
+    """low_memory=True on a PET-MAD-S-shaped model, 3,072 water atoms: smaller peak of
+    the forces call (CPU measured 0.55x), same forces."""
+    from ase_tcfp32.models import random_checkpoint
+    from ase_tcfp32.validation import water_box
+
+    results = {}
+    for low_memory in (False, True):
+        atoms = water_box(1024, seed=0)
+        atoms.calc = TCPETCalculator(random_checkpoint("s"), precision="tf32x3", device="cuda", low_memory=low_memory)
+        atoms.get_potential_energy()
+        atoms.calc.reset()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        forces = atoms.get_forces()
+        results[low_memory] = torch.cuda.max_memory_allocated() - base, forces
+        del atoms
+        torch.cuda.empty_cache()
+    (peak0, f0), (peak1, f1) = results[False], results[True]
+    assert peak1 < 0.75 * peak0
+    assert np.abs(f1 - f0).max() < 1e-5
