@@ -257,4 +257,4 @@ def test_low_memory_lowers_the_peak_and_keeps_the_forces():
         torch.cuda.empty_cache()
     (peak0, f0), (peak1, f1) = results[False], results[True]
     assert peak1 < 0.75 * peak0
-    assert np.abs(f1 - f0).max() < 1e-5
+    assert np.abs(f1 - f0).max() < 1e-4  # GPU FP32 sums are not deterministic (rerun noise ~1e-5)
