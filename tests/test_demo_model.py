@@ -53,3 +53,19 @@ def test_short_nve_of_water_conserves_energy(demo_calc):
     dyn.attach(lambda: energies.append(atoms.get_total_energy() / len(atoms)), interval=10)
     dyn.run(200)
     assert np.all(np.isfinite(energies)) and np.ptp(energies) < 5e-3
+
+
+@pytest.mark.xfail(strict=True, reason="known defect of the shipped demo model: Cr-Cr pairs collapse to ~1.1 Å "
+                   "in slab relaxations (no short-distance data in training; see docs/demo_model.md)")  # fmt: skip
+def test_fire_on_a_cantor_slab_keeps_metal_atoms_apart(demo_calc):
+    from ase.optimize import FIRE
+
+    from ase_tcfp32.validation import cantor_slab
+
+    atoms = cantor_slab(size=(4, 4, 6), seed=100)
+    atoms.rattle(0.05, seed=100)
+    atoms.calc = demo_calc
+    FIRE(atoms, logfile=None).run(fmax=1e-3, steps=60)
+    distances = atoms.get_all_distances(mic=True)
+    np.fill_diagonal(distances, np.inf)
+    assert distances.min() > 2.0  # nearest neighbours in CoCrFeMnNi: ~2.5 Å
