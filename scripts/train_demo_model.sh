@@ -3,8 +3,8 @@
 #   1. label the data with the CHGNet r2SCAN teacher (needs `pip install chgnet`, kept
 #      out of ase-tcfp32's requirements: use a separate environment, TEACHER_PYTHON);
 #   2. train with `mtt train` and the options in scripts/demo_model/options.yaml (stage 1),
-#      then fine-tune that model with scripts/demo_model/finetune.yaml (stage 2: a fresh,
-#      smaller cosine schedule; 40 epochs, ~5 minutes on an H200, ~35 on 2 CPU cores);
+#      then fine-tune that model with the same options and four overrides (stage 2: a
+#      fresh, smaller cosine schedule; 40 epochs, ~5 minutes on an H200, ~35 on 2 CPU cores);
 #   3. save a slim checkpoint into the package and evaluate it against the teacher.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +15,8 @@ mkdir -p "$work"
 "$TEACHER_PYTHON" scripts/make_dataset.py --out "$work"
 (cd "$work" && "$OLDPWD/.venv/bin/mtt" train "$OLDPWD/scripts/demo_model/options.yaml" -o model.pt)
 "$PYTHON" scripts/demo_model/package.py "$work/model.ckpt" "$work/stage1.ckpt"
-(cd "$work" && "$OLDPWD/.venv/bin/mtt" train "$OLDPWD/scripts/demo_model/finetune.yaml" -o model.pt)
+stage2=(-r architecture.training.finetune.read_from=stage1.ckpt -r architecture.training.finetune.method=full
+        -r architecture.training.num_epochs=40 -r architecture.training.learning_rate=0.0003)
+(cd "$work" && "$OLDPWD/.venv/bin/mtt" train "$OLDPWD/scripts/demo_model/options.yaml" "${stage2[@]}" -o model.pt)
 "$PYTHON" scripts/demo_model/package.py "$work/model.ckpt" ase_tcfp32/data/pet-demo-chgnet.ckpt
 "$PYTHON" scripts/demo_model/evaluate.py --test "$work/test.xyz" --out docs/demo_model.json
