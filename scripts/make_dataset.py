@@ -10,6 +10,11 @@ on Pt(111) at many heights (the 1.2-6.0 Å pull-off included), CoCrFeMnNi bulk a
 slabs (rattled, strained), and a little diversity (Pt bulk, molecules in vacuum).
 Writes ``train.xyz``, ``val.xyz``, ``test.xyz`` (80/10/10 per family, energy in eV,
 forces in eV/Å, stress where 3D-periodic) with the family in ``atoms.info["family"]``.
+
+A last family, ``contacts`` (metal atoms closer than in any of the above: compressed and
+strongly rattled Cantor and Pt cells, single pairs pushed to 1.7-2.3 Å), goes to
+``contacts-{train,val,test}.xyz``: the model trained without it pulled Cr-Cr pairs to
+1.05 Å in slab relaxations; stage 3 of ``scripts/train_demo_model.sh`` trains on it.
 """
 
 from __future__ import annotations
@@ -119,6 +124,65 @@ def diversity(calc, rng) -> list[Atoms]:
     return frames
 
 
+def _push_pair(atoms: Atoms, rng, distance: float, prefer: str | None = None) -> Atoms:
+    """Move a random atom and its nearest neighbour symmetrically to ``distance`` Å apart."""
+    candidates = [i for i, s in enumerate(atoms.get_chemical_symbols()) if prefer in (None, s)]
+    i = int(rng.choice(candidates))
+    d = atoms.get_distances(i, range(len(atoms)), mic=True, vector=True)
+    r = np.linalg.norm(d, axis=1)
+    r[i] = np.inf
+    if prefer is not None:  # nearest neighbour of the same species when there is one close by
+        same = [j for j, s in enumerate(atoms.get_chemical_symbols()) if s == prefer and r[j] < 3.2]
+        j = min(same, key=lambda j: r[j]) if same else int(np.argmin(r))
+    else:
+        j = int(np.argmin(r))
+    shift = (r[j] - distance) / 2 * d[j] / r[j]
+    atoms.positions[i] += shift
+    atoms.positions[j] -= shift
+    return atoms
+
+
+def contacts(calc, rng) -> list[Atoms]:
+    frames = []
+    for i in range(25):  # compressed Cantor bulk
+        atoms = bulk("Ni", "fcc", a=3.59 * rng.uniform(0.86, 0.95), cubic=True) * (2, 2, 2)
+        symbols = np.array(["Co", "Cr", "Fe", "Mn", "Ni"] * 7)[:32]
+        rng.shuffle(symbols)
+        atoms.set_chemical_symbols(symbols.tolist())
+        atoms.rattle(0.08, seed=1000 + i)
+        frames.append(label(atoms, calc, "contacts"))
+    for i in range(25):  # strongly rattled Cantor bulk
+        atoms = bulk("Ni", "fcc", a=3.59, cubic=True) * (2, 2, 2)
+        symbols = np.array(["Co", "Cr", "Fe", "Mn", "Ni"] * 7)[:32]
+        rng.shuffle(symbols)
+        atoms.set_chemical_symbols(symbols.tolist())
+        atoms.rattle(rng.uniform(0.15, 0.3), seed=2000 + i)
+        frames.append(label(atoms, calc, "contacts"))
+    for i in range(40):  # Cantor slabs with one pair pushed together, Cr-Cr half of the time
+        atoms = cantor_slab(size=(4, 4, 6), seed=100 + i)
+        atoms.rattle(0.05, seed=3000 + i)
+        _push_pair(atoms, rng, rng.uniform(1.7, 2.3), prefer="Cr" if i % 2 == 0 else None)
+        frames.append(label(atoms, calc, "contacts"))
+    for i in range(20):  # Cantor bulk with one pair pushed together
+        atoms = bulk("Ni", "fcc", a=3.59, cubic=True) * (2, 2, 2)
+        symbols = np.array(["Co", "Cr", "Fe", "Mn", "Ni"] * 7)[:32]
+        rng.shuffle(symbols)
+        atoms.set_chemical_symbols(symbols.tolist())
+        atoms.rattle(0.05, seed=4000 + i)
+        _push_pair(atoms, rng, rng.uniform(1.7, 2.3), prefer="Cr" if i % 2 == 0 else None)
+        frames.append(label(atoms, calc, "contacts"))
+    for i in range(20):  # Pt: compressed bulk, and slabs with a pair pushed together
+        if i % 2 == 0:
+            atoms = bulk("Pt", "fcc", a=3.92 * rng.uniform(0.88, 0.95), cubic=True) * (2, 2, 2)
+            atoms.rattle(0.1, seed=5000 + i)
+        else:
+            atoms = co_on_pt111(rng.uniform(1.8, 4.0))
+            atoms.rattle(0.05, seed=5000 + i)
+            _push_pair(atoms, rng, rng.uniform(2.0, 2.5), prefer="Pt")
+        frames.append(label(atoms, calc, "contacts"))
+    return frames
+
+
 MAX_FORCE = 40.0
 """eV/Å: structures with larger forces (CO pressed to 1.0-1.1 Å from Pt) are left out so
 that a few extreme repulsions do not dominate the squared-error loss."""
@@ -133,18 +197,19 @@ def main() -> None:
     calc = teacher()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    splits = {"train": [], "val": [], "test": []}
-    for make in (co_pt, cantor, diversity, water):
-        frames = [f for f in make(calc, rng) if np.abs(f.get_forces()).max() <= MAX_FORCE]
-        order = rng.permutation(len(frames))
-        n_val = n_test = max(1, len(frames) // 10)
-        splits["test"] += [frames[i] for i in order[:n_test]]
-        splits["val"] += [frames[i] for i in order[n_test : n_test + n_val]]
-        splits["train"] += [frames[i] for i in order[n_test + n_val :]]
-        print(f"{make.__name__}: {len(frames)} structures", flush=True)
-    for name, frames in splits.items():
-        write(out / f"{name}.xyz", frames, format="extxyz")
-        print(f"{name}: {len(frames)} structures, {sum(len(f) for f in frames)} atoms")
+    for prefix, families in (("", (co_pt, cantor, diversity, water)), ("contacts-", (contacts,))):
+        splits = {"train": [], "val": [], "test": []}
+        for make in families:
+            frames = [f for f in make(calc, rng) if np.abs(f.get_forces()).max() <= MAX_FORCE]
+            order = rng.permutation(len(frames))
+            n_val = n_test = max(1, len(frames) // 10)
+            splits["test"] += [frames[i] for i in order[:n_test]]
+            splits["val"] += [frames[i] for i in order[n_test : n_test + n_val]]
+            splits["train"] += [frames[i] for i in order[n_test + n_val :]]
+            print(f"{make.__name__}: {len(frames)} structures", flush=True)
+        for name, frames in splits.items():
+            write(out / f"{prefix}{name}.xyz", frames, format="extxyz")
+            print(f"{prefix}{name}: {len(frames)} structures, {sum(len(f) for f in frames)} atoms")
 
 
 if __name__ == "__main__":
