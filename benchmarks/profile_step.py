@@ -44,7 +44,7 @@ def profile_precision(model: str, precision: str, atoms, steps: int) -> dict:
             step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - start) / steps
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
     ops = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
     return {"precision": precision, "wall_ms": 1000 * wall,
             "gpu_busy_ms": sum(e.device_time for e in kernels) / 1000 / steps,
