@@ -89,13 +89,19 @@ def co_pt(calc, rng) -> list[Atoms]:
     return frames
 
 
+def _cantor_cell(a: float, rng) -> Atoms:
+    """A 32-atom cubic fcc cell (lattice constant ``a`` Å) of CoCrFeMnNi, species shuffled."""
+    atoms = bulk("Ni", "fcc", a=a, cubic=True) * (2, 2, 2)
+    symbols = np.array(["Co", "Cr", "Fe", "Mn", "Ni"] * 7)[:32]
+    rng.shuffle(symbols)
+    atoms.set_chemical_symbols(symbols.tolist())
+    return atoms
+
+
 def cantor(calc, rng) -> list[Atoms]:
     frames = []
     for i in range(60):
-        atoms = bulk("Ni", "fcc", a=3.59 * rng.uniform(0.97, 1.03), cubic=True) * (2, 2, 2)
-        symbols = np.array(["Co", "Cr", "Fe", "Mn", "Ni"] * 7)[:32]
-        rng.shuffle(symbols)
-        atoms.set_chemical_symbols(symbols.tolist())
+        atoms = _cantor_cell(3.59 * rng.uniform(0.97, 1.03), rng)
         atoms.set_cell(atoms.cell @ (np.eye(3) + rng.normal(scale=0.01, size=(3, 3))), scale_atoms=True)
         atoms.rattle(0.08, seed=i)
         frames.append(label(atoms, calc, "cantor"))
@@ -145,17 +151,11 @@ def _push_pair(atoms: Atoms, rng, distance: float, prefer: str | None = None) ->
 def contacts(calc, rng) -> list[Atoms]:
     frames = []
     for i in range(25):  # compressed Cantor bulk
-        atoms = bulk("Ni", "fcc", a=3.59 * rng.uniform(0.86, 0.95), cubic=True) * (2, 2, 2)
-        symbols = np.array(["Co", "Cr", "Fe", "Mn", "Ni"] * 7)[:32]
-        rng.shuffle(symbols)
-        atoms.set_chemical_symbols(symbols.tolist())
+        atoms = _cantor_cell(3.59 * rng.uniform(0.86, 0.95), rng)
         atoms.rattle(0.08, seed=1000 + i)
         frames.append(label(atoms, calc, "contacts"))
     for i in range(25):  # strongly rattled Cantor bulk
-        atoms = bulk("Ni", "fcc", a=3.59, cubic=True) * (2, 2, 2)
-        symbols = np.array(["Co", "Cr", "Fe", "Mn", "Ni"] * 7)[:32]
-        rng.shuffle(symbols)
-        atoms.set_chemical_symbols(symbols.tolist())
+        atoms = _cantor_cell(3.59, rng)
         atoms.rattle(rng.uniform(0.15, 0.3), seed=2000 + i)
         frames.append(label(atoms, calc, "contacts"))
     for i in range(40):  # Cantor slabs with one pair pushed together, Cr-Cr half of the time
@@ -164,10 +164,7 @@ def contacts(calc, rng) -> list[Atoms]:
         _push_pair(atoms, rng, rng.uniform(1.7, 2.3), prefer="Cr" if i % 2 == 0 else None)
         frames.append(label(atoms, calc, "contacts"))
     for i in range(20):  # Cantor bulk with one pair pushed together
-        atoms = bulk("Ni", "fcc", a=3.59, cubic=True) * (2, 2, 2)
-        symbols = np.array(["Co", "Cr", "Fe", "Mn", "Ni"] * 7)[:32]
-        rng.shuffle(symbols)
-        atoms.set_chemical_symbols(symbols.tolist())
+        atoms = _cantor_cell(3.59, rng)
         atoms.rattle(0.05, seed=4000 + i)
         _push_pair(atoms, rng, rng.uniform(1.7, 2.3), prefer="Cr" if i % 2 == 0 else None)
         frames.append(label(atoms, calc, "contacts"))

@@ -17,10 +17,11 @@ from ase_tcfp32.validation.accuracy import against_labels
 TEST_SET = Path(__file__).parent / "data" / "demo_model" / "test.xyz"
 
 DOCUMENTED = {  # docs/demo_model.md: energy MAE (meV/atom), force MAE (meV/Å) vs CHGNet r2SCAN
-    "cantor": (5.1, 101.7),
-    "co-pt111": (4.5, 38.4),
-    "water": (3.2, 85.5),
-    "other": (5.5, 101.4),
+    "cantor": (6.7, 105.6),
+    "co-pt111": (5.1, 36.1),
+    "contacts": (14.7, 235.7),
+    "other": (6.2, 105.4),
+    "water": (2.9, 80.7),
 }
 
 
@@ -55,9 +56,9 @@ def test_short_nve_of_water_conserves_energy(demo_calc):
     assert np.all(np.isfinite(energies)) and np.ptp(energies) < 5e-3
 
 
-@pytest.mark.xfail(strict=True, reason="known defect of the shipped demo model: Cr-Cr pairs collapse to ~1.1 Å "
-                   "in slab relaxations (no short-distance data in training; see docs/demo_model.md)")  # fmt: skip
-def test_fire_on_a_cantor_slab_keeps_metal_atoms_apart(demo_calc):
+def test_fire_relaxes_a_cantor_slab_without_collapsing_pairs(demo_calc):
+    """The first models pulled Cr-Cr pairs to ~1.05 Å here; the teacher's own minimum of this
+    slab has its closest pair (Cr-Cr) at 1.92 Å, the shipped model's at 1.89 Å."""
     from ase.optimize import FIRE
 
     from ase_tcfp32.validation import cantor_slab
@@ -65,7 +66,7 @@ def test_fire_on_a_cantor_slab_keeps_metal_atoms_apart(demo_calc):
     atoms = cantor_slab(size=(4, 4, 6), seed=100)
     atoms.rattle(0.05, seed=100)
     atoms.calc = demo_calc
-    FIRE(atoms, logfile=None).run(fmax=1e-3, steps=60)
+    assert FIRE(atoms, logfile=None).run(fmax=1e-3, steps=400)
     distances = atoms.get_all_distances(mic=True)
     np.fill_diagonal(distances, np.inf)
-    assert distances.min() > 2.0  # nearest neighbours in CoCrFeMnNi: ~2.5 Å
+    assert distances.min() > 1.7
