@@ -1,7 +1,7 @@
 """Make the training data of the bundled demo PET, labelled by CHGNet (r2SCAN model).
 
     python -m venv /tmp/teacher && /tmp/teacher/bin/pip install chgnet -e .
-    /tmp/teacher/bin/python scripts/make_dataset.py --out data/      # ~5 min on 2 cores
+    /tmp/teacher/bin/python scripts/make_dataset.py --out data/      # ~10 min on 2 cores
 
 The teacher ships inside its PyPI package (``chgnet/pretrained/r2scan``), so this runs
 offline; it is not a dependency of ase-tcfp32. Every structure is seeded. Families:
