@@ -17,14 +17,15 @@ work=build/demo-model
 mkdir -p "$work/stage3"
 "$TEACHER_PYTHON" scripts/make_dataset.py --out "$work"
 (cd "$work" && "$OLDPWD/.venv/bin/mtt" train "$OLDPWD/scripts/demo_model/options.yaml" -o model.pt)
+finetune() {  # finetune DIR CHECKPOINT EPOCHS: options.yaml from CHECKPOINT, a fresh cosine schedule from 3e-4
+  (cd "$1" && "$OLDPWD/.venv/bin/mtt" train "$OLDPWD/scripts/demo_model/options.yaml" \
+    -r architecture.training.finetune.read_from="$2" -r architecture.training.finetune.method=full \
+    -r architecture.training.num_epochs="$3" -r architecture.training.learning_rate=0.0003 -o model.pt)
+}
 "$PYTHON" scripts/demo_model/package.py "$work/model.ckpt" "$work/stage1.ckpt"
-stage2=(-r architecture.training.finetune.read_from=stage1.ckpt -r architecture.training.finetune.method=full
-        -r architecture.training.num_epochs=40 -r architecture.training.learning_rate=0.0003)
-(cd "$work" && "$OLDPWD/.venv/bin/mtt" train "$OLDPWD/scripts/demo_model/options.yaml" "${stage2[@]}" -o model.pt)
+finetune "$work" stage1.ckpt 40
 "$PYTHON" scripts/demo_model/package.py "$work/model.ckpt" "$work/stage3/stage2.ckpt"
 for split in train val test; do cat "$work/$split.xyz" "$work/contacts-$split.xyz" > "$work/stage3/$split.xyz"; done
-stage3=(-r architecture.training.finetune.read_from=stage2.ckpt -r architecture.training.finetune.method=full
-        -r architecture.training.num_epochs=36 -r architecture.training.learning_rate=0.0003)
-(cd "$work/stage3" && "$OLDPWD/.venv/bin/mtt" train "$OLDPWD/scripts/demo_model/options.yaml" "${stage3[@]}" -o model.pt)
+finetune "$work/stage3" stage2.ckpt 36
 "$PYTHON" scripts/demo_model/package.py "$work/stage3/model.ckpt" ase_tcfp32/data/pet-demo-chgnet.ckpt
 "$PYTHON" scripts/demo_model/evaluate.py --test "$work/stage3/test.xyz" --out docs/demo_model.json
