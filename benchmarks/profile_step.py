@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from ase_tcfp32 import TCPETCalculator
 from ase_tcfp32.validation import water_box
-from ase_tcfp32.validation.common import resolve_model
+from ase_tcfp32.validation.common import environment, resolve_model
 
 
 def profile_precision(model: str, precision: str, atoms, steps: int) -> dict:
@@ -68,7 +68,7 @@ def main() -> None:
         print(f"\n{row['precision']}, host time by operator:\n{row['top_host_ops']}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"model": args.model, "atoms": len(atoms), "rows": rows}, f, indent=1)
+            json.dump({"environment": environment("cuda"), "model": args.model, "atoms": len(atoms), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
