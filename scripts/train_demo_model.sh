@@ -8,24 +8,34 @@
 #   3. fine-tune stage 2 once more with the "contacts" family (metal pairs closer than in the
 #      other data) added: without it the model pulled Cr-Cr pairs to 1.05 Å in slab
 #      relaxations (stage 3: 36 epochs, ~5.5 minutes on an H200);
-#   4. save a slim checkpoint into the package and evaluate it against the teacher.
+#   4. fine-tune stage 3 with the loss on absolute errors (the metric we report) and the
+#      Cantor-alloy and "other" structures repeated four times: metatrain weights every
+#      force component alike, and those families hold 21% and 3% of the atoms (stage 4:
+#      36 epochs, learning rate 2e-4, ~53 minutes on 2 CPU cores);
+#   5. save a slim checkpoint into the package and evaluate it against the teacher.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TEACHER_PYTHON=${TEACHER_PYTHON:-python}
 PYTHON=${PYTHON:-.venv/bin/python}
 work=build/demo-model
-mkdir -p "$work/stage3"
+mkdir -p "$work/stage3" "$work/stage4"
 "$TEACHER_PYTHON" scripts/make_dataset.py --out "$work"
 (cd "$work" && "$OLDPWD/.venv/bin/mtt" train "$OLDPWD/scripts/demo_model/options.yaml" -o model.pt)
-finetune() {  # finetune DIR CHECKPOINT EPOCHS: options.yaml from CHECKPOINT, a fresh cosine schedule from 3e-4
-  (cd "$1" && "$OLDPWD/.venv/bin/mtt" train "$OLDPWD/scripts/demo_model/options.yaml" \
-    -r architecture.training.finetune.read_from="$2" -r architecture.training.finetune.method=full \
-    -r architecture.training.num_epochs="$3" -r architecture.training.learning_rate=0.0003 -o model.pt)
+finetune() {  # finetune DIR CHECKPOINT EPOCHS LEARNING_RATE [-r OVERRIDE ...]: options.yaml from CHECKPOINT, a fresh cosine schedule
+  local dir=$1 checkpoint=$2 epochs=$3 rate=$4; shift 4
+  (cd "$dir" && "$OLDPWD/.venv/bin/mtt" train "$OLDPWD/scripts/demo_model/options.yaml" \
+    -r architecture.training.finetune.read_from="$checkpoint" -r architecture.training.finetune.method=full \
+    -r architecture.training.num_epochs="$epochs" -r architecture.training.learning_rate="$rate" "$@" -o model.pt)
 }
 "$PYTHON" scripts/demo_model/package.py "$work/model.ckpt" "$work/stage1.ckpt"
-finetune "$work" stage1.ckpt 40
+finetune "$work" stage1.ckpt 40 0.0003
 "$PYTHON" scripts/demo_model/package.py "$work/model.ckpt" "$work/stage3/stage2.ckpt"
 for split in train val test; do cat "$work/$split.xyz" "$work/contacts-$split.xyz" > "$work/stage3/$split.xyz"; done
-finetune "$work/stage3" stage2.ckpt 36
-"$PYTHON" scripts/demo_model/package.py "$work/stage3/model.ckpt" ase_tcfp32/data/pet-demo-chgnet.ckpt
-"$PYTHON" scripts/demo_model/evaluate.py --test "$work/stage3/test.xyz" --out docs/demo_model.json
+finetune "$work/stage3" stage2.ckpt 36 0.0003
+"$PYTHON" scripts/demo_model/package.py "$work/stage3/model.ckpt" "$work/stage4/stage3.ckpt"
+"$PYTHON" scripts/demo_model/repeat.py "$work/stage3/train.xyz" "$work/stage4/train.xyz" cantor=4 other=4
+cp "$work/stage3/val.xyz" "$work/stage3/test.xyz" "$work/stage4/"
+finetune "$work/stage4" stage3.ckpt 36 0.0002 -r architecture.training.loss.energy.type=mae \
+  -r architecture.training.loss.energy.gradients.positions.type=mae
+"$PYTHON" scripts/demo_model/package.py "$work/stage4/model.ckpt" ase_tcfp32/data/pet-demo-chgnet.ckpt
+"$PYTHON" scripts/demo_model/evaluate.py --test "$work/stage4/test.xyz" --out docs/demo_model.json
