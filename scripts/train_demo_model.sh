@@ -35,14 +35,17 @@ finetune "$work" stage1.ckpt 40 0.0003
 "$PYTHON" scripts/demo_model/package.py "$work/model.ckpt" "$work/stage3/stage2.ckpt"
 for split in train val test; do cat "$work/$split.xyz" "$work/contacts-$split.xyz" > "$work/stage3/$split.xyz"; done
 finetune "$work/stage3" stage2.ckpt 36 0.0003
-"$PYTHON" scripts/demo_model/package.py "$work/stage3/model.ckpt" "$work/stage4/stage3.ckpt"
-"$PYTHON" scripts/demo_model/repeat.py "$work/stage3/train.xyz" "$work/stage4/train.xyz" cantor=4 other=4
-cp "$work/stage3/val.xyz" "$work/stage3/test.xyz" "$work/stage4/"
-mae=(-r architecture.training.loss.energy.type=mae -r architecture.training.loss.energy.gradients.positions.type=mae)
-finetune "$work/stage4" stage3.ckpt 36 0.0002 "${mae[@]}"
-"$PYTHON" scripts/demo_model/package.py "$work/stage4/model.ckpt" "$work/stage5/stage4.ckpt"
-"$PYTHON" scripts/demo_model/repeat.py "$work/stage3/train.xyz" "$work/stage5/train.xyz" cantor=4 other=8
-cp "$work/stage3/val.xyz" "$work/stage3/test.xyz" "$work/stage5/"
-finetune "$work/stage5" stage4.ckpt 8 0.0001 "${mae[@]}"
+reweighted() {  # reweighted STAGE EPOCHS LEARNING_RATE FAMILY=TIMES ...: fine-tune the previous stage on
+  # stage 3's data with those families repeated and the loss on absolute errors
+  local stage=$1 epochs=$2 rate=$3; shift 3
+  local previous=stage$((stage - 1)) dir=$work/stage$stage
+  "$PYTHON" scripts/demo_model/package.py "$work/$previous/model.ckpt" "$dir/$previous.ckpt"
+  "$PYTHON" scripts/demo_model/repeat.py "$work/stage3/train.xyz" "$dir/train.xyz" "$@"
+  cp "$work/stage3/val.xyz" "$work/stage3/test.xyz" "$dir/"
+  finetune "$dir" "$previous.ckpt" "$epochs" "$rate" -r architecture.training.loss.energy.type=mae \
+    -r architecture.training.loss.energy.gradients.positions.type=mae
+}
+reweighted 4 36 0.0002 cantor=4 other=4
+reweighted 5 8 0.0001 cantor=4 other=8
 "$PYTHON" scripts/demo_model/package.py "$work/stage5/model.ckpt" ase_tcfp32/data/pet-demo-chgnet.ckpt
 "$PYTHON" scripts/demo_model/evaluate.py --test "$work/stage5/test.xyz" --out docs/demo_model.json
