@@ -1,8 +1,10 @@
 """``TCPETCalculator``: an ASE calculator running PET with tensor-core FP32 GEMMs.
 
-Energies, forces and stress come from metatomic-ase's ``MetatomicCalculator``
-(neighbour lists through vesin, forces and strain-derivative stress by autograd) on
-the metatrain PET module whose Linear layers run in the chosen precision.
+Energies, forces and stress come from the metatrain PET module whose Linear layers run
+in the chosen precision, evaluated either through metatomic-ase's ``MetatomicCalculator``
+(``engine="metatomic"``: neighbour lists through vesin, forces and strain-derivative
+stress by autograd) or through :mod:`ase_tcfp32.lean` (``engine="lean"`` or
+``"graphs"``: the same model on plain tensors with static shapes, for MD).
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import torch
 from ase import Atoms
 from ase.calculators.calculator import Calculator, PropertyNotImplementedError, all_changes
 from ase.data import chemical_symbols
+from ase.stress import full_3x3_to_voigt_6_stress
 
 from .layers import swap_linear_layers
+from .lean import LeanPET
 from .models import load_pet, recompute_gnn_layers
 from .precision import check_name, ieee_fp32_matmul, resolve_precision, support
 from .tcmodel import tensor_core
@@ -45,6 +49,9 @@ def _check_emulation(emulate: str, precision: str, device) -> None:
     if device is not None and torch.device(device).type != "cpu":
         raise ValueError(f"emulate={emulate!r} runs the tensor-core model on CPU; pass device='cpu' or None")
 
+
+ENGINES = ("metatomic", "lean", "graphs")
+"""How the calculator evaluates the model (see :class:`TCPETCalculator`)."""
 
 _DYNAMO_OPTIONS = dict(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True, specialize_int=True)
 """What PET's data-dependent shapes need (metatrain's own torch.compile recipe)."""
@@ -86,6 +93,11 @@ class TCPETCalculator(Calculator):
     :param low_memory: keep only each GNN layer's inputs for the backward pass and
         recompute the rest there (``torch.utils.checkpoint``): much less memory for
         forces on large systems, one extra forward pass of the GNN layers per step.
+    :param engine: ``"metatomic"`` (default: metatomic-ase's calculator around the
+        model), ``"lean"`` (the model on plain tensors: a Verlet list on the device,
+        no per-step host round trips; see :mod:`ase_tcfp32.lean`) or ``"graphs"``
+        (``"lean"`` recorded as a CUDA graph per neighbour-table size and replayed;
+        CUDA only). All three give the same results to FP32 rounding.
 
     Units: energy eV, forces eV/Å, stress eV/Å³ in Voigt order (xx, yy, zz, yz, xz, xy),
     positive under tension. Stress needs periodicity in all three directions.
@@ -104,10 +116,15 @@ class TCPETCalculator(Calculator):
         neighbor_skin: float = 2.0,
         compile: bool = False,
         low_memory: bool = False,
+        engine: str = "metatomic",
         **kwargs,
     ):
         super().__init__(**kwargs)
         check_name(precision)
+        if engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r}: use one of {', '.join(ENGINES)}")
+        if engine == "graphs" and low_memory:
+            raise ValueError("low_memory=True is not supported with engine='graphs' (graphs are for small systems)")
         if emulate is None:
             self.device = resolve_device(device)
             self.precision = resolve_precision(precision, self.device)
@@ -116,6 +133,8 @@ class TCPETCalculator(Calculator):
             _check_emulation(emulate, precision, device)
             self.device, self.precision = torch.device("cpu"), precision
             self.backend = f"tcmodel:{tensor_core(emulate).name}"
+        if engine == "graphs" and self.device.type != "cuda":
+            raise ValueError(f"engine='graphs' records CUDA graphs and needs a CUDA device, not '{self.device}'")
         self.emulate = emulate
 
         from metatomic_ase import MetatomicCalculator
@@ -133,21 +152,26 @@ class TCPETCalculator(Calculator):
             _compile_backend(self.pet.backend)
         self.atomic_types = frozenset(int(t) for t in self.pet.atomic_types)
         self.cutoff = float(self.pet.cutoff)
-        atomistic = self.pet.export().eval()
-        self._metatomic = MetatomicCalculator(
-            atomistic,
-            device=str(self.device),
-            do_gradients_with_energy=False,
-            uncertainty_threshold=None,
-            neighbor_skin=neighbor_skin,
-        )
+        self.engine = engine
+        self._lean, self._metatomic = None, None
+        if engine == "metatomic":
+            self._metatomic = MetatomicCalculator(
+                self.pet.export().eval(),
+                device=str(self.device),
+                do_gradients_with_energy=False,
+                uncertainty_threshold=None,
+                neighbor_skin=neighbor_skin,
+            )
+        else:
+            self._lean = LeanPET(self.pet, self.device, neighbor_skin, cuda_graphs=engine == "graphs")
         if isinstance(model, torch.nn.Module):
-            self.model_name = atomistic.metadata().name or type(model).__name__
+            self.model_name = self.pet.metadata.name or type(model).__name__
         else:
             self.model_name = os.path.basename(os.fspath(model))
 
     def __repr__(self) -> str:
         flags = (", compile=True" if self.compiled else "") + (", low_memory=True" if self.low_memory else "")
+        flags += f", engine={self.engine!r}" if self.engine != "metatomic" else ""
         return (
             f"TCPETCalculator(model={self.model_name!r}, precision={self.precision!r}, "
             f"backend={self.backend!r}, device='{self.device}'{flags})"
@@ -182,8 +206,15 @@ class TCPETCalculator(Calculator):
         super().calculate(atoms, properties, system_changes)
         # forces come with every call (ASE caches them for the next get_forces);
         # stress too for 3D-periodic systems, where MetatomicCalculator adds it itself.
-        wanted = ["energy", "forces"] + (["energies"] if "energies" in properties else [])
-        with ieee_fp32_matmul():
-            self._metatomic.calculate(self.atoms, wanted, system_changes)
-        self.results = dict(self._metatomic.results)
+        if self._lean is not None:
+            with ieee_fp32_matmul():
+                results = self._lean.compute(self.atoms, stress=bool(self.atoms.pbc.all()))
+            if "stress" in results:
+                results["stress"] = full_3x3_to_voigt_6_stress(results["stress"])
+            self.results = results
+        else:
+            wanted = ["energy", "forces"] + (["energies"] if "energies" in properties else [])
+            with ieee_fp32_matmul():
+                self._metatomic.calculate(self.atoms, wanted, system_changes)
+            self.results = dict(self._metatomic.results)
         self.results["free_energy"] = self.results["energy"]

@@ -1,13 +1,15 @@
 """Time per ASE MD step (forces + velocity Verlet + neighbour-list updates) per precision.
 
-    python benchmarks/md_step.py [--models s,m] [--molecules 64,5760] [--compile both] [--low-memory] [--out FILE.json]
+    python benchmarks/md_step.py [--models s,m] [--molecules 64,5760] [--engines metatomic,lean,graphs]
+                                 [--compile both] [--low-memory] [--out FILE.json]
 
 For PET-MAD-S/-M-shaped models with random weights (speed only: their forces are not
 physical, so the runs are short and the time step small) and water boxes of 192 and
 17,280 atoms, runs velocity Verlet through ``TCPETCalculator`` in each precision and
-prints the median ms per step, the speed-up against FP32 measured in the same run (eager,
-and compiled with ``--compile both``: the best FP32 a user can get), and the peak GPU
-memory. A configuration that runs out of memory is reported as such. ``--low-memory``
+prints the median ms per step, the speed-up against FP32 measured in the same run (in the
+same configuration, and the best FP32 of all engines and compile modes measured: the
+best FP32 a user can get), and the peak GPU memory. ``--engines`` picks the calculator's
+evaluation engines (``TCPETCalculator(engine=...)``). A configuration that runs out of memory is reported as such. ``--low-memory``
 recomputes the GNN layers in the backward pass (``TCPETCalculator(low_memory=True)``).
 """
 
@@ -30,12 +32,14 @@ from ase_tcfp32.validation import water_box
 from ase_tcfp32.validation.common import environment
 
 
-def time_steps(model, precision: str, atoms, steps: int, compile: bool, low_memory: bool = False, warmup: int = 3) -> dict:
-    """Median and minimum ms per MD step and peak GPU memory (GB) of one precision;
-    the first call's time (compilation included) separately."""
+def time_steps(model, precision: str, atoms, steps: int, compile: bool, engine: str = "metatomic",
+               low_memory: bool = False, warmup: int = 3) -> dict:  # fmt: skip
+    """Median and minimum ms per MD step and peak GPU memory (GB) of one configuration;
+    the first call's time (compilation and graph recording included) separately."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        calc = TCPETCalculator(model, precision=precision, device="cuda", compile=compile, low_memory=low_memory)
+        calc = TCPETCalculator(model, precision=precision, device="cuda", compile=compile, low_memory=low_memory,
+                               engine=engine)  # fmt: skip
     atoms = atoms.copy()
     atoms.calc = calc
     MaxwellBoltzmannDistribution(atoms, temperature_K=300, rng=np.random.default_rng(0))
@@ -52,11 +56,27 @@ def time_steps(model, precision: str, atoms, steps: int, compile: bool, low_memo
             "first_s": times[0], "peak_GB": torch.cuda.max_memory_allocated() / 1e9}  # fmt: skip
 
 
+def add_speedups(rows: list[dict]) -> None:
+    """Speed-ups of each row of one (model, box) group against FP32 in the same
+    configuration and against the best FP32 of the group (any engine, compiled or not)."""
+    fp32 = {(r["engine"], r["compiled"]): r["ms"] for r in rows if r["precision"] == "fp32" and "ms" in r}
+    for row in rows:
+        if "ms" not in row:
+            continue
+        same = fp32.get((row["engine"], row["compiled"]))
+        row["speedup_vs_fp32_same_config"] = same / row["ms"] if same else None
+        row["speedup_vs_best_fp32"] = min(fp32.values()) / row["ms"] if fp32 else None
+        for (engine, compiled), ms in fp32.items():
+            if engine == "metatomic":
+                row[f"speedup_vs_fp32{'_compiled' if compiled else ''}"] = ms / row["ms"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="s,m")
     parser.add_argument("--molecules", default="64,5760", help="water molecules per box (3 atoms each)")
     parser.add_argument("--precisions", default="fp32,tf32x3,tf32")
+    parser.add_argument("--engines", default="metatomic", help="comma-separated: metatomic, lean, graphs")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--compile", choices=["no", "yes", "both"], default="no")
     parser.add_argument("--low-memory", action="store_true", help="low_memory=True for every row")
@@ -64,31 +84,37 @@ def main() -> None:
     args = parser.parse_args()
     modes = {"no": [False], "yes": [True], "both": [False, True]}[args.compile]
     rows = []
-    print(f"{'model':>5} {'atoms':>6} {'precision':>9} {'compiled':>8} {'ms/step':>9} {'x FP32':>7} {'x FP32c':>7} {'peak GB':>8}")
+    header = f"{'model':>5} {'atoms':>6} {'engine':>9} {'compiled':>8} {'precision':>9} {'ms/step':>9} {'first s':>8} {'peak GB':>8}"
+    print(header)
     for shape in args.models.split(","):
         model = random_checkpoint(shape)
         for n_mol in map(int, args.molecules.split(",")):
             atoms = water_box(n_mol, seed=0)
-            base = {}
-            for compiled in modes:
-                for precision in args.precisions.split(","):
-                    row = {"model": f"random-{shape}", "atoms": len(atoms), "precision": precision, "compiled": compiled,
-                           "low_memory": args.low_memory}  # fmt: skip
-                    try:
-                        row.update(time_steps(model, precision, atoms, args.steps, compiled, args.low_memory))
-                    except torch.OutOfMemoryError:
-                        row["error"] = "out of memory"
-                    torch.cuda.empty_cache()
-                    if precision == "fp32" and "ms" in row:
-                        base[compiled] = row["ms"]
-                    if "ms" in row:
-                        row.update({f"speedup_vs_fp32{'_compiled' if c else ''}": base[c] / row["ms"] for c in base})
-                        print(f"{shape:>5} {len(atoms):>6} {precision:>9} {str(compiled):>8} {row['ms']:9.1f} "
-                              f"{row.get('speedup_vs_fp32', float('nan')):7.2f} {row.get('speedup_vs_fp32_compiled', float('nan')):7.2f} "
-                              f"{row['peak_GB']:8.1f}", flush=True)  # fmt: skip
-                    else:
-                        print(f"{shape:>5} {len(atoms):>6} {precision:>9} {str(compiled):>8} {row['error']}", flush=True)
-                    rows.append(row)
+            group = []
+            for engine in args.engines.split(","):
+                for compiled in modes:
+                    for precision in args.precisions.split(","):
+                        row = {"model": f"random-{shape}", "atoms": len(atoms), "engine": engine, "compiled": compiled,
+                               "precision": precision, "low_memory": args.low_memory}  # fmt: skip
+                        try:
+                            row.update(time_steps(model, precision, atoms, args.steps, compiled, engine, args.low_memory))
+                        except torch.OutOfMemoryError:
+                            row["error"] = "out of memory"
+                        except Exception as error:  # a configuration that fails must not stop the others
+                            row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+                        torch.cuda.empty_cache()
+                        result = (f"{row['ms']:9.1f} {row['first_s']:8.1f} {row['peak_GB']:8.1f}" if "ms" in row
+                                  else row["error"])  # fmt: skip
+                        print(f"{shape:>5} {len(atoms):>6} {engine:>9} {str(compiled):>8} {precision:>9} {result}", flush=True)
+                        group.append(row)
+            add_speedups(group)
+            print(f"speed-ups, {len(atoms)} atoms, PET-{shape.upper()} shape: vs FP32 same config / vs best FP32")
+            for row in group:
+                if "ms" in row:
+                    same = row["speedup_vs_fp32_same_config"]
+                    print(f"  {row['engine']:>9} compiled={str(row['compiled']):5} {row['precision']:>7} "
+                          f"{same if same else float('nan'):6.2f} {row['speedup_vs_best_fp32'] or float('nan'):6.2f}")  # fmt: skip
+            rows += group
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"environment": environment("cuda"), "rows": rows}, f, indent=1)

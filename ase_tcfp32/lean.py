@@ -1,0 +1,343 @@
+"""PET on plain tensors with static shapes: the calculator's fast path for MD.
+
+The metatomic path rebuilds everything every step: ASE-side neighbour lists, metatomic
+``System`` and ``TensorMap`` objects, and metatrain's neighbour table, whose width (the
+largest neighbour count) is read back to the host. Here instead:
+
+- the candidate pairs within ``cutoff + skin`` come from vesin on the model's device
+  and are kept until an atom has moved more than ``skin / 2`` (a Verlet list), in a
+  buffer of fixed capacity sorted by centre atom;
+- each step, on the device only: edge vectors, PET's adaptive per-atom cutoffs (metatrain's
+  own solver), and the [atoms, J] neighbour table with J a bucket (a multiple of 8)
+  that is checked after the step and widened when an atom outgrows it;
+- energy, forces and the strain derivative (stress) from one backward pass;
+- with ``cuda_graphs=True`` the step is recorded once per (capacity, J) bucket as a CUDA
+  graph and replayed: no kernel launches from Python while atoms move.
+
+Pairs beyond the adaptive cutoff contribute exactly zero to metatrain's solver (its
+smooth count is flat there), so the skin changes nothing; results agree with the
+metatomic path to FP32 rounding (``tests/test_lean.py``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from ase import Atoms
+
+_FAR = 1.0e6
+"""Distance given to the padding pairs: past every cutoff, so they weigh exactly zero."""
+
+
+class Pairs(NamedTuple):
+    """Candidate pairs i -> j (+ cell shift) within cutoff + skin, sorted by i, padded."""
+
+    centers: torch.Tensor  # [E] int64 (padding: 0)
+    neighbors: torch.Tensor  # [E] int64
+    shifts: torch.Tensor  # [E, 3] float32 cell shifts (integers)
+    reverse: torch.Tensor  # [E] int64 index of the pair j -> i with the opposite shift
+    valid: torch.Tensor  # [E] bool, False for the padding
+    first: torch.Tensor  # [N] int64 index of each atom's first pair
+    count: int  # real pairs
+
+
+def unsupported_reason(pet: torch.nn.Module) -> str | None:
+    """Why the lean path cannot evaluate this metatrain PET exactly, or None."""
+    from metatrain.composition import CompositionModel
+
+    if pet.long_range:
+        return "it has a long-range (Ewald/P3M) module"
+    if pet.backend.system_conditioning is not None:
+        return "it is conditioned on charge and spin"
+    others = [type(m).__name__ for m in pet.additive_models if not isinstance(m, CompositionModel)]
+    if others:
+        return f"it has additive models other than composition ({', '.join(others)})"
+    if pet.dataset_info.length_unit.lower() not in ("", "angstrom", "a"):  # "": no unit, no conversion
+        return f"its length unit is {pet.dataset_info.length_unit!r}, not Å"
+    if pet.dataset_info.targets["energy"].unit not in ("", "eV"):
+        return f"its energy unit is {pet.dataset_info.targets['energy'].unit!r}, not eV"
+    return None
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def build_pairs(positions: torch.Tensor, cell: torch.Tensor, pbc: np.ndarray, cutoff: float, capacity: int) -> Pairs:
+    """Pairs within ``cutoff`` (Å) from vesin for float64 ``positions`` [N, 3] and ``cell``
+    [3, 3] (on CPU or CUDA), padded to ``capacity``; when there are more pairs than that,
+    padded to 10% more, in multiples of 1024, so that the next lists fit too."""
+    from vesin import NeighborList
+
+    i, j, shifts = NeighborList(cutoff=cutoff, full_list=True).compute(
+        points=positions, box=cell, periodic=pbc, quantities="ijS", copy=True
+    )
+    device, n = positions.device, len(positions)
+    i, j, shifts = i.to(device, torch.int64), j.to(device, torch.int64), shifts.to(device, torch.int64)
+    order = torch.argsort(i, stable=True)
+    i, j, shifts = i[order], j[order], shifts[order]
+    count = len(i)
+
+    # the reverse of (i, j, S) is (j, i, -S): match integer keys
+    reach = int(shifts.abs().max()) if count else 0
+    width = 2 * reach + 1
+
+    def key(a, b, s):
+        code = ((s[:, 0] + reach) * width + s[:, 1] + reach) * width + s[:, 2] + reach
+        return (a * n + b) * width**3 + code
+
+    forward = key(i, j, shifts)
+    sorted_keys, by_key = torch.sort(forward)
+    found = torch.searchsorted(sorted_keys, key(j, i, -shifts)).clamp_max(max(count - 1, 0))
+    if count and not bool((sorted_keys[found] == key(j, i, -shifts)).all()):
+        raise RuntimeError("the neighbour list is not symmetric: a pair i -> j has no j -> i")
+    reverse = by_key[found]
+
+    if count > capacity:
+        capacity = _round_up(int(1.1 * count) + 64, 1024)
+    pad = capacity - count
+    first = torch.cumsum(torch.bincount(i, minlength=n), 0) - torch.bincount(i, minlength=n)
+    return Pairs(
+        centers=torch.cat([i, i.new_zeros(pad)]),
+        neighbors=torch.cat([j, j.new_zeros(pad)]),
+        shifts=torch.cat([shifts, shifts.new_zeros(pad, 3)]).to(torch.float32),
+        reverse=torch.cat([reverse, torch.arange(count, capacity, device=device)]),
+        valid=torch.arange(capacity, device=device) < count,
+        first=first,
+        count=count,
+    )
+
+
+def _per_type_energy(pet: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-atom energy scale and composition offset (eV) of every atomic type, indexed
+    by atomic number: what metatrain's scaler and composition model apply after PET."""
+    from metatomic.torch import ModelOutput, System
+
+    types = torch.tensor(pet.atomic_types, dtype=torch.int32)
+    positions = 10.0 * torch.arange(3 * len(types), dtype=torch.float32).reshape(-1, 3)
+    system = System(types=types, positions=positions, cell=torch.zeros(3, 3), pbc=torch.zeros(3, dtype=torch.bool))
+    request = {"energy": ModelOutput(sample_kind="atom")}
+    scale = torch.zeros(int(types.max()) + 1, dtype=torch.float64)
+    offset = torch.zeros_like(scale)
+    block = pet.scaler.get_scales([system], request)["energy"].block()
+    scale[types[block.samples.column("atom").long()].long()] = block.values[:, 0].double()
+    for model in pet.additive_models:
+        if "energy" in model.outputs:
+            block = model([system], request)["energy"].block()
+            offset[types[block.samples.column("atom").long()].long()] += block.values[:, 0].double()
+    return scale, offset
+
+
+class LeanPET:
+    """Energy, forces and stress of a metatrain PET on plain tensors (see module doc).
+
+    :param pet: a metatrain PET in eval mode (its Linear layers in any precision).
+    :param device: where the model lives.
+    :param skin: Verlet skin in Å.
+    :param cuda_graphs: record each step as a CUDA graph and replay it (CUDA only).
+    """
+
+    def __init__(self, pet: torch.nn.Module, device: torch.device, skin: float = 2.0, cuda_graphs: bool = False):
+        reason = unsupported_reason(pet)
+        if reason is not None:
+            raise ValueError(f"the lean path cannot evaluate this model: {reason}")
+        if cuda_graphs and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not '{device}'")
+        self.pet, self.device, self.skin, self.cuda_graphs = pet, device, float(skin), cuda_graphs
+        self.backend = pet.backend
+        scale, offset = _per_type_energy(pet)
+        self.scale, self.offset = scale.to(device), offset.to(device)  # float64: exact sums of large offsets
+        self._key: tuple | None = None  # numbers, pbc of the current system
+        self._reference: np.ndarray | None = None  # positions (and cell) of the last list
+        self.pairs: Pairs | None = None
+        self.width = 0  # J, the neighbour table's bucket
+        self.rebuilds = 0
+        self._graph: _Graph | None = None
+        self._nl_device = device
+        self._far = torch.tensor([_FAR, 0.0, 0.0], device=device)  # made here: no host copies in a graph
+
+    # ----- neighbour list -------------------------------------------------------------
+
+    def _needs_pairs(self, atoms: Atoms) -> bool:
+        key = (atoms.numbers.tobytes(), atoms.pbc.tobytes())
+        if key != self._key:
+            self._key, self.pairs, self._graph, self.width = key, None, None, 0
+            return True
+        ref_positions, ref_cell = self._reference
+        if not np.array_equal(ref_cell, atoms.cell.array):
+            return True
+        moved = np.max(np.sum((atoms.positions - ref_positions) ** 2, axis=1)) if len(atoms) else 0.0
+        return moved > (0.5 * self.skin) ** 2
+
+    def _update_pairs(self, atoms: Atoms) -> None:
+        positions = torch.from_numpy(atoms.positions).to(self._nl_device, torch.float64)
+        cell = torch.from_numpy(atoms.cell.array).to(self._nl_device, torch.float64)
+        capacity = self.pairs.valid.numel() if self.pairs is not None else 0
+        try:
+            pairs = build_pairs(positions, cell, atoms.pbc, self.backend.cutoff + self.skin, capacity)
+        except RuntimeError as error:
+            if self._nl_device.type == "cpu" or "symmetric" in str(error):
+                raise
+            warnings.warn(f"vesin could not build the neighbour list on {self._nl_device} ({error}); using the CPU", stacklevel=4)
+            self._nl_device = torch.device("cpu")
+            return self._update_pairs(atoms)
+        pairs = Pairs(*(t.to(self.device) if isinstance(t, torch.Tensor) else t for t in pairs))
+        if self.pairs is not None and self.pairs.valid.numel() == pairs.valid.numel() and self._graph is not None:
+            for static, new in zip(self.pairs[:-1], pairs[:-1]):
+                static.copy_(new)  # the recorded graph reads these buffers
+            self.pairs = self.pairs._replace(count=pairs.count)
+        else:
+            self.pairs, self._graph = pairs, None
+        self._reference = (atoms.positions.copy(), atoms.cell.array.copy())
+        self.rebuilds += 1
+
+    # ----- one evaluation on tensors ----------------------------------------------------
+
+    def neighbour_table(self, positions: torch.Tensor, strain: torch.Tensor, cell: torch.Tensor, numbers: torch.Tensor) -> tuple:
+        """PET's input tensors (its ``batch_data``: [N, J] tables of the kept pairs) and the
+        largest neighbour count (0-d tensor), for positions [N, 3] and cell [3, 3] (Å)
+        deformed by ``(1 + strain)``, through the current pairs and table width J."""
+        from metatrain.pet.modules.adaptive_cutoff import get_adaptive_cutoffs_grid, get_adaptive_cutoffs_solver
+        from metatrain.pet.modules.utilities import cutoff_func_bump, cutoff_func_cosine
+
+        backend, pairs, width = self.backend, self.pairs, self.width
+        n, capacity = positions.shape[0], pairs.valid.numel()
+        deformation = torch.eye(3, device=positions.device, dtype=positions.dtype) + strain
+        positions = positions @ deformation
+        vectors = positions[pairs.neighbors] - positions[pairs.centers] + pairs.shifts @ (cell @ deformation)
+        vectors = torch.where(pairs.valid[:, None], vectors, self._far)
+        distances = torch.norm(vectors, dim=-1) + 1e-15
+
+        if backend.num_neighbors_adaptive is not None:
+            solver = backend.adaptive_cutoff_method.lower() == "solver"
+            solve = get_adaptive_cutoffs_solver if solver else get_adaptive_cutoffs_grid
+            atomic = solve(pairs.centers, distances, backend.num_neighbors_adaptive, n, backend.cutoff,
+                           cutoff_width=self.pet.cutoff_width_adaptive)  # fmt: skip
+            pair_cutoffs = (atomic[pairs.centers] + atomic[pairs.neighbors]) / 2.0
+        else:
+            pair_cutoffs = torch.full_like(distances, backend.cutoff)
+        keep = (distances <= pair_cutoffs) & pairs.valid
+        bump = backend.cutoff_function.lower() == "bump"
+        factors = (cutoff_func_bump if bump else cutoff_func_cosine)(distances, pair_cutoffs, backend.cutoff_width)
+
+        # pair k goes to row centers[k], column = the kept pairs before it in its row
+        kept = keep.long()
+        before = torch.cumsum(kept, 0) - kept
+        column = before - before[pairs.first[pairs.centers]]
+        counts = torch.zeros(n, dtype=torch.long, device=kept.device).scatter_add_(0, pairs.centers, kept)
+        slot = torch.where(keep & (column < width), pairs.centers * width + column, n * width)
+        pair_at = torch.full((n * width + 1,), capacity, dtype=torch.long, device=kept.device)
+        pair_at = pair_at.scatter_(0, slot, torch.arange(capacity, device=kept.device))[: n * width]
+        mask = pair_at < capacity
+
+        def table(values: torch.Tensor) -> torch.Tensor:
+            padded = torch.cat([values, values.new_zeros((1, *values.shape[1:]))])
+            return padded[pair_at].reshape(n, width, *values.shape[1:])
+
+        species = backend.species_to_species_index[numbers]
+        edge_vectors = table(vectors)
+        reverse_pair = torch.cat([pairs.reverse, pairs.reverse.new_full((1,), capacity)])[pair_at]
+        # (clamped: when a row overflows, the step is redone with a wider table anyway)
+        reverse_slot = torch.cat([slot, slot.new_full((1,), n * width)])[reverse_pair].clamp_max(n * width - 1)
+        unique_padding = torch.cumsum((~mask).long(), 0) - 1  # distinct indices: a fast index backward
+        batch = {
+            "element_indices_nodes": species,
+            "element_indices_neighbors": table(species[pairs.neighbors]),
+            "edge_vectors": edge_vectors,
+            "edge_distances": torch.sqrt(torch.sum(edge_vectors**2, dim=2) + 1e-15),
+            "padding_mask": mask.reshape(n, width),
+            "reverse_neighbor_index": torch.where(mask, reverse_slot, unique_padding).reshape(n, width),
+            "cutoff_factors": table(factors),
+        }
+        return batch, counts.max()
+
+    def energy_terms(self, positions: torch.Tensor, strain: torch.Tensor, cell: torch.Tensor, numbers: torch.Tensor) -> tuple:
+        """Per-atom energies [N] (eV, float64: PET's FP32 output, scaled and offset in
+        float64) and the largest neighbour count (0-d tensor); see :meth:`neighbour_table`
+        for the arguments."""
+        batch, most = self.neighbour_table(positions, strain, cell, numbers)
+        nodes, edges = self.backend.calculate_features(batch)
+        system = torch.zeros(positions.shape[0], dtype=torch.long, device=positions.device)
+        predictions = self.backend.predict(nodes, edges, batch, cell[None], system, ["energy"])[0]["energy"][0][:, 0]
+        return predictions.double() * self.scale[numbers] + self.offset[numbers], most
+
+    def _step(self, positions: torch.Tensor, cell: torch.Tensor, numbers: torch.Tensor, stress: bool) -> dict:
+        """Energies, forces (and the strain derivative) on the device, as tensors."""
+        positions = positions.detach().requires_grad_(True)
+        strain = torch.zeros(3, 3, device=positions.device, dtype=positions.dtype, requires_grad=stress)
+        with torch.enable_grad():
+            energies, most = self.energy_terms(positions, strain, cell, numbers)
+            energy = energies.sum()
+            inputs = [positions, strain] if stress else [positions]
+            grads = torch.autograd.grad(energy, inputs)
+        out = {"energy": energy.detach(), "energies": energies.detach(), "forces": -grads[0], "most": most}
+        if stress:
+            out["virial"] = grads[1]
+        return out
+
+    # ----- ASE-facing -------------------------------------------------------------------
+
+    def compute(self, atoms: Atoms, stress: bool) -> dict:
+        """``energy`` (eV), ``energies`` [N] (eV), ``forces`` [N, 3] (eV/Å) and, when
+        asked, ``stress`` [3, 3] (eV/Å³, ASE sign) as float64 numpy arrays."""
+        if self._needs_pairs(atoms):
+            self._update_pairs(atoms)
+        positions = torch.from_numpy(atoms.positions).to(self.device, torch.float32)
+        cell = torch.from_numpy(atoms.cell.array).to(self.device, torch.float32)
+        numbers = torch.from_numpy(atoms.numbers).to(self.device, torch.long)
+        if self.width == 0:  # first call: size the table from the neighbour counts
+            self.width = 8
+            with torch.no_grad():
+                most = int(self.neighbour_table(positions, torch.zeros(3, 3, device=self.device), cell, numbers)[1])
+            self.width = _round_up(most + 4, 8)
+        for _ in range(8):  # widen the table until every atom's neighbours fit
+            if self.cuda_graphs:
+                out = self._replay(positions, cell, numbers, stress)
+            else:
+                out = self._step(positions, cell, numbers, stress)
+            most = int(out["most"])
+            if most <= self.width:
+                break
+            self.width, self._graph = _round_up(most + 4, 8), None
+        results = {
+            "energy": float(out["energy"]),
+            "energies": out["energies"].double().cpu().numpy(),
+            "forces": out["forces"].double().cpu().numpy(),
+        }
+        if stress:
+            results["stress"] = out["virial"].double().cpu().numpy() / atoms.get_volume()
+        return results
+
+    def _replay(self, positions, cell, numbers, stress: bool) -> dict:
+        graph = self._graph
+        if graph is None or graph.stress != stress:
+            graph = self._graph = None
+            torch.cuda.synchronize(self.device)
+            graph = self._graph = _Graph(self, positions, cell, numbers, stress)
+        return graph.replay(positions, cell, numbers)
+
+
+class _Graph:
+    """One recorded step of a :class:`LeanPET` for fixed atoms, pair capacity and width."""
+
+    def __init__(self, lean: LeanPET, positions, cell, numbers, stress: bool):
+        self.stress = stress
+        self.inputs = (positions.clone(), cell.clone(), numbers.clone())
+        side = torch.cuda.Stream(lean.device)
+        side.wait_stream(torch.cuda.current_stream(lean.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up: kernels compiled, weight splits cached, workspaces made
+                lean._step(*self.inputs, stress)
+        torch.cuda.current_stream(lean.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = lean._step(*self.inputs, stress)
+
+    def replay(self, positions, cell, numbers) -> dict:
+        for static, new in zip(self.inputs, (positions, cell, numbers)):
+            static.copy_(new)
+        self.graph.replay()
+        return self.outputs

@@ -1,0 +1,105 @@
+"""The lean engine (plain tensors, Verlet list, static shapes) against the metatomic one."""
+
+import numpy as np
+import pytest
+import torch
+from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
+from ase.md.verlet import VelocityVerlet
+from ase.units import fs
+
+from ase_tcfp32 import TCPETCalculator
+from ase_tcfp32.lean import LeanPET
+from ase_tcfp32.models import load_pet
+
+
+def _agree(atoms, model, *, skin=2.0, precision="fp32", stress=True):
+    """Evaluate ``atoms`` with both engines; assert FP32-level agreement; return the lean calc."""
+    ref, ours = atoms.copy(), atoms.copy()
+    ref.calc = TCPETCalculator(model, precision=precision, device="cpu", neighbor_skin=skin)
+    ours.calc = TCPETCalculator(model, precision=precision, device="cpu", neighbor_skin=skin, engine="lean")
+    e_ref = ref.get_potential_energy()
+    # metatrain sums large per-atom offsets in FP32 (~1e-6 relative); ours in float64
+    assert ours.get_potential_energy() == pytest.approx(e_ref, rel=3e-6, abs=1e-5)
+    assert ours.get_potential_energies().sum() == pytest.approx(ours.get_potential_energy(), rel=1e-12)
+    forces = ref.get_forces()
+    largest = np.abs(forces).max()
+    assert largest > 1e-5  # non-trivial (metatrain's test checkpoints give small forces)
+    assert np.abs(ours.get_forces() - forces).max() <= 1e-6 * max(1.0, largest)
+    if stress and atoms.pbc.all():
+        assert np.abs(ours.get_stress() - ref.get_stress()).max() <= 1e-6
+    return ours.calc
+
+
+@pytest.mark.parametrize("name", ["pet-v16", "pet-v8", "llpr-v4"])
+def test_lean_matches_metatomic_on_shipped_checkpoints(shipped, ethanol, name):
+    _agree(ethanol, shipped(name))
+
+
+def test_lean_matches_metatomic_with_stress_and_self_images(tiny_ckpt, water, pt_bulk):
+    _agree(water, tiny_ckpt)
+    calc = _agree(pt_bulk, tiny_ckpt)  # a 3.9 Å cell: atoms see their own periodic images
+    pairs = calc._lean.pairs
+    i, j = pairs.centers[: pairs.count], pairs.neighbors[: pairs.count]
+    assert bool((i == j).any())
+    reverse = pairs.reverse[: pairs.count]
+    assert torch.equal(i[reverse], j) and torch.equal(pairs.shifts[reverse], -pairs.shifts[: pairs.count])
+
+
+def test_lean_matches_metatomic_on_the_demo_model(water):
+    _agree(water, "pet-demo-chgnet")
+
+
+def test_lean_tf32x3_reference_kernels_match_fp32(tiny_ckpt, water):
+    water.calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine="lean")
+    ref = water.get_forces()
+    emulated = water.copy()
+    emulated.calc = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cpu", engine="lean")
+    assert np.abs(emulated.get_forces() - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_verlet_list_is_rebuilt_only_past_half_the_skin(tiny_ckpt, water):
+    """MD with a 0.3 Å skin: every step agrees with a fresh metatomic evaluation, and the
+    pair list is rebuilt a few times, not every step."""
+    calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine="lean", neighbor_skin=0.3)
+    ref = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu")
+    water.calc = calc
+    MaxwellBoltzmannDistribution(water, temperature_K=2000, rng=np.random.default_rng(4))
+    dyn = VelocityVerlet(water, timestep=1.0 * fs)
+    for _ in range(6):
+        dyn.run(5)
+        copy = water.copy()
+        copy.calc = ref
+        assert np.abs(water.get_forces() - copy.get_forces()).max() <= 2e-6 * max(1.0, np.abs(copy.get_forces()).max())
+    assert 2 <= calc._lean.rebuilds < 31
+
+
+def test_neighbour_table_widens_when_atoms_crowd_in(tiny_ckpt, water):
+    water.calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine="lean")
+    water.get_forces()
+    lean = water.calc._lean
+    width = lean.width
+    lean.width = 8  # as if the table had been sized for a sparser configuration
+    water.calc.reset()
+    water.get_forces()
+    assert lean.width > 8
+    _agree(water, tiny_ckpt)
+    assert width % 8 == 0
+
+
+def test_lean_rejects_models_it_cannot_evaluate_exactly(tiny_ckpt):
+    pet = load_pet(tiny_ckpt)
+    pet.long_range = True
+    with pytest.raises(ValueError, match="long-range"):
+        LeanPET(pet, torch.device("cpu"))
+
+
+def test_engine_names_and_graphs_without_gpu_are_errors(tiny_ckpt):
+    with pytest.raises(ValueError, match="unknown engine 'fast'.*metatomic, lean, graphs"):
+        TCPETCalculator(tiny_ckpt, device="cpu", engine="fast")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        TCPETCalculator(tiny_ckpt, device="cpu", engine="graphs")
+
+
+def test_repr_names_the_engine(tiny_ckpt):
+    calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine="lean")
+    assert "engine='lean'" in repr(calc)
