@@ -33,13 +33,13 @@ from ase_tcfp32.validation.common import environment
 
 
 def time_steps(model, precision: str, atoms, steps: int, compile: bool, engine: str = "metatomic",
-               low_memory: bool = False, warmup: int = 3) -> dict:  # fmt: skip
+               low_memory: bool = False, skin: float = 2.0, warmup: int = 3) -> dict:  # fmt: skip
     """Median and minimum ms per MD step and peak GPU memory (GB) of one configuration;
     the first call's time (compilation and graph recording included) separately."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         calc = TCPETCalculator(model, precision=precision, device="cuda", compile=compile, low_memory=low_memory,
-                               engine=engine)  # fmt: skip
+                               engine=engine, neighbor_skin=skin)  # fmt: skip
     atoms = atoms.copy()
     atoms.calc = calc
     MaxwellBoltzmannDistribution(atoms, temperature_K=300, rng=np.random.default_rng(0))
@@ -80,6 +80,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--compile", choices=["no", "yes", "both"], default="no")
     parser.add_argument("--low-memory", action="store_true", help="low_memory=True for every row")
+    parser.add_argument("--skin", type=float, default=2.0, help="neighbor_skin in Å")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     modes = {"no": [False], "yes": [True], "both": [False, True]}[args.compile]
@@ -95,9 +96,10 @@ def main() -> None:
                 for compiled in modes:
                     for precision in args.precisions.split(","):
                         row = {"model": f"random-{shape}", "atoms": len(atoms), "engine": engine, "compiled": compiled,
-                               "precision": precision, "low_memory": args.low_memory}  # fmt: skip
+                               "precision": precision, "low_memory": args.low_memory, "skin": args.skin}  # fmt: skip
                         try:
-                            row.update(time_steps(model, precision, atoms, args.steps, compiled, engine, args.low_memory))
+                            row.update(time_steps(model, precision, atoms, args.steps, compiled, engine, args.low_memory,
+                                                  args.skin))  # fmt: skip
                         except torch.OutOfMemoryError:
                             row["error"] = "out of memory"
                         except Exception as error:  # a configuration that fails must not stop the others
