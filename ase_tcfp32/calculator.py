@@ -18,6 +18,7 @@ from ase.calculators.calculator import Calculator, PropertyNotImplementedError, 
 from ase.data import chemical_symbols
 from ase.stress import full_3x3_to_voigt_6_stress
 
+from .compilation import compile_backend
 from .layers import swap_linear_layers
 from .lean import LeanPET
 from .models import load_pet, recompute_gnn_layers
@@ -52,24 +53,6 @@ def _check_emulation(emulate: str, precision: str, device) -> None:
 
 ENGINES = ("metatomic", "lean", "graphs")
 """How the calculator evaluates the model (see :class:`TCPETCalculator`)."""
-
-_DYNAMO_OPTIONS = dict(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True, specialize_int=True)
-"""What PET's data-dependent shapes need (metatrain's own torch.compile recipe)."""
-_INDUCTOR_OPTIONS = {"triton.coalesce_tiling_analysis": False}
-"""torch 2.11's coalescing analysis asserted on PET's dynamic shapes on an H200."""
-
-
-def _compile_backend(backend: torch.nn.Module) -> None:
-    """Compile the three tensor-only stages of metatrain's ``PETBackend`` in place."""
-    for name in ("preprocess", "calculate_features", "predict"):
-        compiled = torch.compile(getattr(backend, name), dynamic=True, options=_INDUCTOR_OPTIONS)
-
-        def call(*args, _compiled=compiled, **kwargs):
-            with torch._dynamo.config.patch(**_DYNAMO_OPTIONS):  # scoped: no global change
-                return _compiled(*args, **kwargs)
-
-        setattr(backend, name, call)
-
 
 class TCPETCalculator(Calculator):
     """PET / PET-MAD in ASE with FP32-accurate tensor-core matrix products.
@@ -149,7 +132,7 @@ class TCPETCalculator(Calculator):
             recompute_gnn_layers(self.pet)
         self.compiled = compile
         if compile:
-            _compile_backend(self.pet.backend)
+            compile_backend(self.pet.backend)
         self.atomic_types = frozenset(int(t) for t in self.pet.atomic_types)
         self.cutoff = float(self.pet.cutoff)
         self.engine = engine
@@ -163,7 +146,7 @@ class TCPETCalculator(Calculator):
                 neighbor_skin=neighbor_skin,
             )
         else:
-            self._lean = LeanPET(self.pet, self.device, neighbor_skin, cuda_graphs=engine == "graphs")
+            self._lean = LeanPET(self.pet, self.device, neighbor_skin, cuda_graphs=engine == "graphs", compile=compile)
         if isinstance(model, torch.nn.Module):
             self.model_name = self.pet.metadata.name or type(model).__name__
         else:

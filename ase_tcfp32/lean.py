@@ -28,6 +28,8 @@ import numpy as np
 import torch
 from ase import Atoms
 
+from .compilation import compiled
+
 _FAR = 1.0e6
 """Distance given to the padding pairs: past every cutoff, so they weigh exactly zero."""
 
@@ -138,9 +140,14 @@ class LeanPET:
     :param device: where to evaluate it (the model is moved there).
     :param skin: Verlet skin in Å.
     :param cuda_graphs: record each step as a CUDA graph and replay it (CUDA only).
+    :param compile: run :meth:`neighbour_table` (adaptive cutoffs included) through
+        ``torch.compile``; the model's own stages are compiled by the calculator.
     """
 
-    def __init__(self, pet: torch.nn.Module, device: torch.device, skin: float = 2.0, cuda_graphs: bool = False):
+    def __init__(self, pet: torch.nn.Module, device: torch.device, skin: float = 2.0, cuda_graphs: bool = False,
+                 compile: bool = False):  # fmt: skip
+        from metatrain.pet.modules import adaptive_cutoff, utilities
+
         reason = unsupported_reason(pet)
         if reason is not None:
             raise ValueError(f"the lean path cannot evaluate this model: {reason}")
@@ -158,6 +165,12 @@ class LeanPET:
         self._graph: _Graph | None = None
         self._nl_device = device
         self._far = torch.tensor([_FAR, 0.0, 0.0], device=device)  # made here: no host copies in a graph
+        solver = self.backend.adaptive_cutoff_method.lower() == "solver"
+        self._adaptive_cutoffs = adaptive_cutoff.get_adaptive_cutoffs_solver if solver else adaptive_cutoff.get_adaptive_cutoffs_grid
+        bump = self.backend.cutoff_function.lower() == "bump"
+        self._cutoff_function = utilities.cutoff_func_bump if bump else utilities.cutoff_func_cosine
+        if compile:
+            self.neighbour_table = compiled(self.neighbour_table)
 
     # ----- neighbour list -------------------------------------------------------------
 
@@ -200,9 +213,6 @@ class LeanPET:
         """PET's input tensors (its ``batch_data``: [N, J] tables of the kept pairs) and the
         largest neighbour count (0-d tensor), for positions [N, 3] and cell [3, 3] (Å)
         deformed by ``(1 + strain)``, through the current pairs and table width J."""
-        from metatrain.pet.modules.adaptive_cutoff import get_adaptive_cutoffs_grid, get_adaptive_cutoffs_solver
-        from metatrain.pet.modules.utilities import cutoff_func_bump, cutoff_func_cosine
-
         backend, pairs, width = self.backend, self.pairs, self.width
         n, capacity = positions.shape[0], pairs.valid.numel()
         deformation = torch.eye(3, device=positions.device, dtype=positions.dtype) + strain
@@ -215,16 +225,13 @@ class LeanPET:
         distances = torch.norm(vectors, dim=-1) + 1e-15
 
         if backend.num_neighbors_adaptive is not None:
-            solver = backend.adaptive_cutoff_method.lower() == "solver"
-            solve = get_adaptive_cutoffs_solver if solver else get_adaptive_cutoffs_grid
-            atomic = solve(pairs.centers, distances, backend.num_neighbors_adaptive, n, backend.cutoff,
+            atomic = self._adaptive_cutoffs(pairs.centers, distances, backend.num_neighbors_adaptive, n, backend.cutoff,
                            cutoff_width=self.pet.cutoff_width_adaptive)  # fmt: skip
             pair_cutoffs = (atomic.index_select(0, pairs.centers) + atomic.index_select(0, pairs.neighbors)) / 2.0
         else:
             pair_cutoffs = torch.full_like(distances, backend.cutoff)
         keep = (distances <= pair_cutoffs) & pairs.valid
-        bump = backend.cutoff_function.lower() == "bump"
-        factors = (cutoff_func_bump if bump else cutoff_func_cosine)(distances, pair_cutoffs, backend.cutoff_width)
+        factors = self._cutoff_function(distances, pair_cutoffs, backend.cutoff_width)
 
         # pair k goes to row centers[k], column = the kept pairs before it in its row
         kept = keep.long()

@@ -298,3 +298,16 @@ def test_graph_replays_follow_md_across_list_rebuilds_and_wider_tables(tiny_ckpt
         copy.calc = reference
         assert np.abs(atoms.get_forces() - copy.get_forces()).max() < 3e-5
     assert lean.rebuilds >= 2 and lean.width > 8
+
+
+def test_compiled_graph_engine_matches_metatomic(tiny_ckpt, water192):
+    """compile=True with engine='graphs': compiled code recorded in the graph, same forces."""
+    atoms = water192.copy()
+    atoms.calc = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", engine="graphs", compile=True)
+    reference = water192.copy()
+    reference.calc = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda")
+    for _ in range(3):  # recorded once, replayed after
+        atoms.positions += 0.01
+        reference.positions += 0.01
+        assert abs(atoms.get_potential_energy() - reference.get_potential_energy()) / len(atoms) < 2e-6
+        assert np.abs(atoms.get_forces() - reference.get_forces()).max() < 3e-5
