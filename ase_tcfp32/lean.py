@@ -39,7 +39,7 @@ class Pairs(NamedTuple):
 
     centers: torch.Tensor  # [E] int64 (padding: 0)
     neighbors: torch.Tensor  # [E] int64
-    shifts: torch.Tensor  # [E, 3] float32 cell shifts (integers)
+    shifts: torch.Tensor  # [E, 3] cell shifts (integers, in the model's dtype on its device)
     reverse: torch.Tensor  # [E] int64 index of the pair j -> i with the opposite shift
     valid: torch.Tensor  # [E] bool, False for the padding
     first: torch.Tensor  # [N] int64 index of each atom's first pair
@@ -101,14 +101,14 @@ def build_pairs(positions: torch.Tensor, cell: torch.Tensor, pbc: np.ndarray, cu
     if count > capacity or capacity == 0:
         capacity = _round_up(int(1.1 * count) + 64, 1024)
     pad = capacity - count
-    first = torch.cumsum(torch.bincount(i, minlength=n), 0) - torch.bincount(i, minlength=n)
+    per_atom = torch.bincount(i, minlength=n)
     return Pairs(
         centers=torch.cat([i, i.new_zeros(pad)]),
         neighbors=torch.cat([j, j.new_zeros(pad)]),
-        shifts=torch.cat([shifts, shifts.new_zeros(pad, 3)]).to(torch.float32),
+        shifts=torch.cat([shifts, shifts.new_zeros(pad, 3)]),
         reverse=torch.cat([reverse, torch.arange(count, capacity, device=device)]),
         valid=torch.arange(capacity, device=device) < count,
-        first=first,
+        first=torch.cumsum(per_atom, 0) - per_atom,
         count=count,
     )
 
@@ -119,8 +119,9 @@ def _per_type_energy(pet: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     from metatomic.torch import ModelOutput, System
 
     types = torch.tensor(pet.atomic_types, dtype=torch.int32)
-    positions = 10.0 * torch.arange(3 * len(types), dtype=torch.float32).reshape(-1, 3)
-    system = System(types=types, positions=positions, cell=torch.zeros(3, 3), pbc=torch.zeros(3, dtype=torch.bool))
+    dtype = next(pet.parameters()).dtype
+    positions = 10.0 * torch.arange(3 * len(types), dtype=dtype).reshape(-1, 3)  # isolated atoms
+    system = System(types=types, positions=positions, cell=torch.zeros(3, 3, dtype=dtype), pbc=torch.zeros(3, dtype=torch.bool))
     request = {"energy": ModelOutput(sample_kind="atom")}
     scale = torch.zeros(int(types.max()) + 1, dtype=torch.float64)
     offset = torch.zeros_like(scale)
@@ -153,10 +154,11 @@ class LeanPET:
             raise ValueError(f"the lean path cannot evaluate this model: {reason}")
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not '{device}'")
-        self.pet, self.device, self.skin, self.cuda_graphs = pet.to(device), device, float(skin), cuda_graphs
-        self.backend = pet.backend
         scale, offset = _per_type_energy(pet)
         self.scale, self.offset = scale.to(device), offset.to(device)  # float64: exact sums of large offsets
+        self.pet, self.device, self.skin, self.cuda_graphs = pet.to(device), device, float(skin), cuda_graphs
+        self.backend = pet.backend
+        self.dtype = next(pet.parameters()).dtype
         self._key: tuple | None = None  # numbers, pbc of the current system
         self._reference: np.ndarray | None = None  # positions (and cell) of the last list
         self.pairs: Pairs | None = None
@@ -164,7 +166,7 @@ class LeanPET:
         self.rebuilds = 0
         self._graph: _Graph | None = None
         self._nl_device = device
-        self._far = torch.tensor([_FAR, 0.0, 0.0], device=device)  # made here: no host copies in a graph
+        self._far = torch.tensor([_FAR, 0.0, 0.0], device=device, dtype=self.dtype)  # here: no host copy in a graph
         solver = self.backend.adaptive_cutoff_method.lower() == "solver"
         self._adaptive_cutoffs = adaptive_cutoff.get_adaptive_cutoffs_solver if solver else adaptive_cutoff.get_adaptive_cutoffs_grid
         bump = self.backend.cutoff_function.lower() == "bump"
@@ -197,6 +199,7 @@ class LeanPET:
             warnings.warn(f"vesin could not build the neighbour list on {self._nl_device} ({error}); using the CPU", stacklevel=4)
             self._nl_device = torch.device("cpu")
             return self._update_pairs(atoms)
+        pairs = pairs._replace(shifts=pairs.shifts.to(self.dtype))
         pairs = Pairs(*(t.to(self.device) if isinstance(t, torch.Tensor) else t for t in pairs))
         if self.pairs is not None and self.pairs.valid.numel() == pairs.valid.numel() and self._graph is not None:
             for static, new in zip(self.pairs[:-1], pairs[:-1]):
@@ -296,13 +299,13 @@ class LeanPET:
         asked, ``stress`` [3, 3] (eV/Å³, ASE sign) as float64 numpy arrays."""
         if self._needs_pairs(atoms):
             self._update_pairs(atoms)
-        positions = torch.from_numpy(atoms.positions).to(self.device, torch.float32)
-        cell = torch.from_numpy(atoms.cell.array).to(self.device, torch.float32)
+        positions = torch.from_numpy(atoms.positions).to(self.device, self.dtype)
+        cell = torch.from_numpy(atoms.cell.array).to(self.device, self.dtype)
         numbers = torch.from_numpy(atoms.numbers).to(self.device, torch.long)
         if self.width == 0:  # first call: size the table from the neighbour counts
             self.width = 8
             with torch.no_grad():
-                most = int(self.neighbour_table(positions, torch.zeros(3, 3, device=self.device), cell, numbers)[1])
+                most = int(self.neighbour_table(positions, torch.zeros_like(cell), cell, numbers)[1])
             self.width = _round_up(most + 4, 8)
         for _ in range(8):  # widen the table until every atom's neighbours fit
             if self.cuda_graphs:

@@ -109,6 +109,7 @@ def main() -> None:
                                   else row["error"])  # fmt: skip
                         print(f"{shape:>5} {len(atoms):>6} {engine:>9} {str(compiled):>8} {precision:>9} {result}", flush=True)
                         group.append(row)
+                        save(args.out, rows + group)
             add_speedups(group)
             print(f"speed-ups, {len(atoms)} atoms, PET-{shape.upper()} shape: vs FP32 same config / vs best FP32")
             for row in group:
@@ -117,8 +118,13 @@ def main() -> None:
                     print(f"  {row['engine']:>9} compiled={str(row['compiled']):5} {row['precision']:>7} "
                           f"{same if same else float('nan'):6.2f} {row['speedup_vs_best_fp32'] or float('nan'):6.2f}")  # fmt: skip
             rows += group
-    if args.out:
-        with open(args.out, "w") as f:
+            save(args.out, rows)
+
+
+def save(path: str | None, rows: list[dict]) -> None:
+    """Write the rows so far (after every box: a run cut short keeps what it measured)."""
+    if path:
+        with open(path, "w") as f:
             json.dump({"environment": environment("cuda"), "rows": rows}, f, indent=1)
 
 

@@ -115,3 +115,17 @@ def test_compiled_lean_engine_matches_eager(tiny_ckpt, water):
     moved = compiled.copy()
     moved.calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine="lean")
     assert np.abs(compiled.get_forces() - moved.get_forces()).max() <= 3e-5
+
+
+def test_lean_matches_metatomic_in_float64(water):
+    """A float64 PET: the engines agree to ~1e-10, so nothing but FP32 rounding separates
+    them (the skin's extra pairs, the padding and the table layout change nothing)."""
+    from ase_tcfp32.models import random_pet
+
+    pet = random_pet("tiny", seed=11, atomic_types=[1, 8, 78]).to(torch.float64)
+    ref, ours = water.copy(), water.copy()
+    ref.calc = TCPETCalculator(pet, precision="fp32", device="cpu")
+    ours.calc = TCPETCalculator(pet, precision="fp32", device="cpu", engine="lean")
+    assert ours.get_potential_energy() == pytest.approx(ref.get_potential_energy(), abs=1e-9)
+    assert np.abs(ours.get_forces() - ref.get_forces()).max() < 1e-10
+    assert np.abs(ours.get_stress() - ref.get_stress()).max() < 1e-11
