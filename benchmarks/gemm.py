@@ -1,6 +1,6 @@
 """GEMM speed and accuracy on PET shapes: cuBLAS FP32 / TF32 against our kernels.
 
-    python benchmarks/gemm.py [--models s,m] [--atoms 192,17280] [--out results.json]
+    python benchmarks/gemm.py [--models s,m] [--atoms 192,17280] [--gluon] [--out results.json]
 
 For each Linear of PET-MAD-S / -M (shapes from the PET-MAD hyperparameters, M = atoms x
 padded neighbours or atoms x (neighbours + 1), water at 1 g/cm³) it times the forward
@@ -145,6 +145,7 @@ def main() -> None:
     parser.add_argument("--models", default="s,m")
     parser.add_argument("--atoms", default="192,17280")
     parser.add_argument("--kernels", default="tf32,tf32x3,bf16x9")
+    parser.add_argument("--gluon", action="store_true", help="also the Gluon tf32x3 kernel (Hopper, experimental)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--markdown", default=None, help="print the tables of a results JSON and exit")
     args = parser.parse_args()
@@ -154,6 +155,10 @@ def main() -> None:
         print(markdown(results), roofline(results), sep="\n\n")
         return
     backends = {f"triton_{p}": TritonBackend(p) for p in args.kernels.split(",")}
+    if args.gluon:
+        from ase_tcfp32.kernels.gluon_gemm import GluonBackend
+
+        backends["gluon_tf32x3"] = GluonBackend()
     results = {"environment": environment(), "shapes": []}
     print(json.dumps(results["environment"]))
     head = f"{'model':5} {'atoms':>6} {'layer':26} {'M x K x N':>22} {'fp32 ms':>8}"

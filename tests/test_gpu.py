@@ -333,3 +333,40 @@ def test_lean_engine_past_the_sdpa_grid_limit():
     assert np.isfinite(f3).all() and len(f3) == 66_000
     assert abs(e3 - e32) / len(atoms) < 1e-5
     assert np.abs(f3 - f32).max() < 1e-3
+
+
+@pytest.fixture(scope="module")
+def gluon_backend():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is written for Hopper (sm_90)")
+    from ase_tcfp32.kernels.gluon_gemm import GluonBackend
+
+    return GluonBackend()
+
+
+@pytest.mark.parametrize("shape", [(1003, 17, 33), (4099, 128, 384), (5000, 256, 768), (20_000, 33, 130), (70_000, 512, 256)])
+def test_gluon_tf32x3_matches_triton_kernel_and_fp64(gluon_backend, triton_backends, shape):
+    """Ragged M, K and N edges (TMA zero-fill and clipped stores), with and without bias."""
+    m, k, n = shape
+    g = torch.Generator(device="cuda").manual_seed(m + k + n)
+    x = torch.randn(m, k, device="cuda", generator=g)
+    w = torch.randn(n, k, device="cuda", generator=g)
+    b = torch.randn(n, device="cuda", generator=g)
+    prepared = gluon_backend.prepare(w)
+    exact = x.double() @ w.double().T + b.double()
+    y = gluon_backend.forward(x, prepared, b)
+    assert rel_error(y, exact) <= rel_error(x @ w.T + b, exact) * 1.2
+    assert torch.allclose(y, run(triton_backends["tf32x3"], x, w, b), rtol=1e-6, atol=1e-5)
+    gy = torch.randn(m, n, device="cuda", generator=g)
+    exact_dx = gy.double() @ w.double()
+    assert rel_error(gluon_backend.grad_input(gy, prepared), exact_dx) <= rel_error(gy @ w, exact_dx) * 1.2
+
+
+def test_gluon_tf32x3_inf_nan_propagate_like_torch(gluon_backend):
+    x = torch.randn(4096, 64, device="cuda")
+    w = torch.randn(128, 64, device="cuda")
+    x[3, 5], x[7, 9], x[11, 0] = float("inf"), float("-inf"), float("nan")
+    y = gluon_backend.forward(x, gluon_backend.prepare(w), None)
+    expected = x @ w.T
+    assert torch.equal(torch.isnan(y), torch.isnan(expected))
+    assert torch.equal(torch.isinf(y), torch.isinf(expected))

@@ -1,0 +1,171 @@
+"""TF32x3 GEMM for Hopper written in Gluon (Triton's explicit-layout dialect): experimental.
+
+Same arithmetic as :mod:`ase_tcfp32.kernels.triton_gemm` (per K-tile: hi*B_hi in a fresh
+tensor-core accumulator joining the FP32 sum with one IEEE addition; lo*B_hi and hi_c*B_lo
+in a corrections accumulator over all of K, added at the end), scheduled by hand: the three
+products of a K-tile are issued back to back as asynchronous wgmma groups, and one wait
+that leaves the two correction groups in flight lets the hi*hi tile join the sum while
+they run; x, W_hi and W_lo come through a ``STAGES``-deep TMA ring, and the output leaves
+through a TMA store (out-of-range rows and columns are clipped by TMA, as loads are
+zero-filled). Compiled offline for sm_90 with Triton 3.6: 251 registers, no spills, one
+``wgmma.wait_group 2`` per K-tile (``docs/kernel_notes.md``). Not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .triton_gemm import Gemm, Prepared, TritonBackend
+
+
+@gluon.jit
+def _split_tf32(x):
+    """``(hi, lo, hi_c)`` as in triton_gemm._split_tf32 (bit rules of kernels.split)."""
+    bits = x.to(gl.int32, bitcast=True)
+    magnitude = bits & 0x7FFFFFFF
+    rounded = (bits + 0x1000) & -8192
+    hi = gl.where(magnitude >= 0x7F7FF000, bits & -8192, rounded).to(gl.float32, bitcast=True)
+    infinite = magnitude == 0x7F800000
+    return hi, gl.where(infinite, 0.0, x - hi), gl.where(infinite, 0.0, hi)
+
+
+@gluon.jit
+def _tf32x3_kernel(
+    x_desc, hi_desc, lo_desc, y_desc, bias_ptr, M, N,
+    HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    BN: gl.constexpr = hi_desc.block_type.shape[0]
+    # grouped tile order: GROUP_M row-tiles in a row share the W tiles in L2
+    pid = gl.program_id(0)
+    tiles_m = gl.cdiv(M, BM)
+    per_group = GROUP_M * gl.cdiv(N, BN)
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = min(tiles_m - first_m, GROUP_M)
+    off_m = (first_m + (pid % per_group) % group_rows) * BM
+    off_n = ((pid % per_group) // group_rows) * BN
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 8])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=1)
+    xs = gl.allocate_shared_memory(gl.float32, [STAGES, BM, BK], x_desc.layout)
+    his = gl.allocate_shared_memory(gl.float32, [STAGES, BN, BK], hi_desc.layout)
+    los = gl.allocate_shared_memory(gl.float32, [STAGES, BN, BK], lo_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + 2 * hi_desc.block_type.nbytes
+    num_k = gl.cdiv(x_desc.shape[1], BK)
+    for i in gl.static_range(STAGES - 1):
+        if i < num_k:
+            mbarrier.expect(ready.index(i), nbytes)
+            tma.async_copy_global_to_shared(x_desc, [off_m, i * BK], ready.index(i), xs.index(i))
+            tma.async_copy_global_to_shared(hi_desc, [off_n, i * BK], ready.index(i), his.index(i))
+            tma.async_copy_global_to_shared(lo_desc, [off_n, i * BK], ready.index(i), los.index(i))
+
+    acc = gl.zeros((BM, BN), gl.float32, mma)  # FP32 running sum of the hi*hi tiles
+    small = gl.zeros((BM, BN), gl.float32, mma)  # tensor-core sum of the corrections
+    zero = gl.zeros((BM, BN), gl.float32, mma)
+    lo_prev = gl.zeros((BM, BK), gl.float32, a_layout)  # A words of in-flight products,
+    hic_prev = gl.zeros((BM, BK), gl.float32, a_layout)  # kept alive until their wait
+    for ki in range(num_k):
+        s = ki % STAGES
+        mbarrier.wait(ready.index(s), (ki // STAGES) & 1)
+        hi, lo, hi_c = _split_tf32(xs.index(s).load(a_layout))
+        b_hi = his.index(s).permute((1, 0))
+        tile = warpgroup_mma(hi, b_hi, zero, use_acc=False, is_async=True)
+        small = warpgroup_mma(lo, b_hi, small, is_async=True)
+        small = warpgroup_mma(hi_c, los.index(s).permute((1, 0)), small, is_async=True)
+        tile, small, lo_prev, hic_prev, _, _ = warpgroup_mma_wait(
+            num_outstanding=2, deps=(tile, small, lo, hi_c, lo_prev, hic_prev)
+        )
+        acc = acc + tile
+        # K-tile ki - 1 is done in this warpgroup; the copies below wait at a CTA barrier
+        # (Gluon puts one before each TMA issue), so the other warpgroup is done with it too
+        nk = ki + STAGES - 1
+        if nk < num_k:
+            ns = nk % STAGES
+            mbarrier.expect(ready.index(ns), nbytes)
+            tma.async_copy_global_to_shared(x_desc, [off_m, nk * BK], ready.index(ns), xs.index(ns))
+            tma.async_copy_global_to_shared(hi_desc, [off_n, nk * BK], ready.index(ns), his.index(ns))
+            tma.async_copy_global_to_shared(lo_desc, [off_n, nk * BK], ready.index(ns), los.index(ns))
+    small = warpgroup_mma_wait(num_outstanding=0, deps=(small,))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+    acc = acc + small
+    if HAS_BIAS:
+        cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
+        acc = acc + gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0), 0)
+    ys = gl.allocate_shared_memory(gl.float32, [BM, BN], y_desc.layout)
+    ys.store(acc)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(y_desc, [off_m, off_n], ys)
+    tma.store_wait(pendings=0)
+
+
+CONFIG = dict(BM=128, BN=128, BK=32, STAGES=3, GROUP_M=8, num_warps=8)
+"""Tile shape and pipeline depth (3 stages: 144 KiB of shared memory)."""
+
+
+def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def launch(x: torch.Tensor, gemm: Gemm, bias: torch.Tensor | None = None, config: dict = CONFIG) -> torch.Tensor:
+    """``x [M, K] @ w^T (+ bias)`` as [M, N] with the tf32x3 words of ``gemm`` ([2, N, KP])."""
+    m, k = x.shape
+    _, n, kp = gemm.words.shape
+    np_ = triton.cdiv(n, 4) * 4  # 16-byte rows for the TMA store
+    y = torch.empty((m, np_), device=x.device, dtype=torch.float32)
+    if m == 0 or k == 0:
+        y = y[:, :n]
+        return y.zero_() if bias is None or m == 0 else y.copy_(bias.expand(m, n))
+    bm, bn, bk = config["BM"], config["BN"], config["BK"]
+    if k % 4:  # TMA needs 16-byte rows: pad K with zeros (they add nothing)
+        x = torch.nn.functional.pad(x, (0, kp - k))
+    elif x.stride(1) != 1 or (x.stride(0) * 4) % 16 or x.data_ptr() % 16:
+        x = x.contiguous()
+    x_desc = _descriptor(x, [bm, bk])
+    hi_desc = _descriptor(gemm.words[0], [bn, bk])
+    lo_desc = _descriptor(gemm.words[1], [bn, bk])
+    y_desc = _descriptor(y, [bm, bn])
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _tf32x3_kernel[grid](
+        x_desc, hi_desc, lo_desc, y_desc, bias if bias is not None else y, m, n,
+        HAS_BIAS=bias is not None, STAGES=config["STAGES"], GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
+    )  # fmt: skip
+    return y[:, :n]
+
+
+class GluonBackend(TritonBackend):
+    """tf32x3 through :func:`launch` on Hopper (sm_90), with :class:`TritonBackend`'s
+    weight words and small-GEMM rule (cuBLAS FP32 below :func:`triton_gemm.min_rows`)."""
+
+    name = "gluon"
+
+    def __init__(self, precision: str = "tf32x3"):
+        if precision != "tf32x3":
+            raise ValueError(f"the Gluon kernel computes tf32x3 only, not {precision!r}")
+        super().__init__(precision)
+
+    def forward(self, x: torch.Tensor, prepared: Prepared, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] < prepared.forward.min_rows:
+            return torch.nn.functional.linear(x, prepared.weight, bias)
+        return launch(x, prepared.forward, None if bias is None else bias.detach().contiguous())
+
+    def grad_input(self, grad_y: torch.Tensor, prepared: Prepared) -> torch.Tensor:
+        if grad_y.shape[0] < prepared.backward.min_rows:
+            return grad_y @ prepared.weight
+        return launch(grad_y, prepared.backward)
