@@ -1,0 +1,74 @@
+"""Compile our tf32x3 kernels for sm_90 without a GPU and report their structure.
+
+    python benchmarks/compile_sm90.py      # needs Triton (3.6 is what the H200 runs)
+
+For the production Triton kernel and the Gluon kernel (branch work): wgmma instructions
+and ``wgmma.wait_group`` values in the PTX (how often the tensor cores are waited for per
+K-tile), registers and spilled bytes from ``ptxas -v``, and shared memory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+
+from ase_tcfp32.kernels import gluon_gemm, triton_gemm
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def structure(kernel) -> str:
+    ptx = kernel.asm["ptx"]
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    log = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True).stderr
+    os.unlink(f.name)
+    waits = re.findall(r"wgmma.wait_group.sync.aligned (\d+)", ptx)
+    regs = re.findall(r"Used (\d+) registers", log)
+    spills = re.findall(r"(\d+) bytes spill stores", log)
+    return f"wgmma={ptx.count('wgmma.mma_async')} waits={waits} registers={regs} spill_bytes={spills} smem={kernel.metadata.shared}"
+
+
+def gluon_descriptor(block: list[int]) -> str:
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
+    return f"tensordesc<fp32[{', '.join(map(str, block))}],{layout!r}>"
+
+
+def main() -> None:
+    c = triton_gemm.tile_config(768, 256)
+    bm, bn, bk = c["BM"], c["BN"], c["BK"]
+    signature = {
+        "x_ptr": "*fp32", "x_desc": f"tensordesc<fp32[{bm}, {bk}]>", "w_ptr": "*fp32", "w_desc": f"tensordesc<fp32[{bn}, {bk}]>",
+        "bias_ptr": "*fp32", "y_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "KP": "i32", "stride_xm": "i32",
+        "stride_ym": "i32", "WORDS": "constexpr", "TMA": "constexpr", "HAS_BIAS": "constexpr", "BM": "constexpr",
+        "BN": "constexpr", "BK": "constexpr", "GROUP_M": "constexpr",
+    }  # fmt: skip
+    constants = dict(WORDS=2, TMA=True, HAS_BIAS=True, BM=bm, BN=bn, BK=bk, GROUP_M=c["GROUP_M"])
+    kernel = triton.compile(ASTSource(triton_gemm._linear_kernel, signature, constexprs=constants), target=TARGET,
+                            options=dict(num_warps=c["num_warps"], num_stages=c["num_stages"]))  # fmt: skip
+    print("triton tf32x3:", structure(kernel))
+
+    g = gluon_gemm.CONFIG
+    signature = {
+        "x_desc": gluon_descriptor([g["BM"], g["BK"]]), "hi_desc": gluon_descriptor([g["BN"], g["BK"]]),
+        "lo_desc": gluon_descriptor([g["BN"], g["BK"]]), "y_desc": gluon_descriptor([g["BM"], g["BN"]]),
+        "bias_ptr": "*fp32", "M": "i32", "N": "i32", "HAS_BIAS": "constexpr", "STAGES": "constexpr",
+        "GROUP_M": "constexpr", "num_warps": "constexpr",
+    }  # fmt: skip
+    constants = dict(HAS_BIAS=True, STAGES=g["STAGES"], GROUP_M=g["GROUP_M"], num_warps=g["num_warps"])
+    kernel = triton.compile(GluonASTSource(gluon_gemm._tf32x3_kernel, signature, constexprs=constants), target=TARGET,
+                            options=dict(num_warps=g["num_warps"]))  # fmt: skip
+    print("gluon tf32x3: ", structure(kernel))
+
+
+if __name__ == "__main__":
+    main()
