@@ -64,10 +64,12 @@ def main() -> None:
         "bias_ptr": "*fp32", "M": "i32", "N": "i32", "HAS_BIAS": "constexpr", "STAGES": "constexpr",
         "GROUP_M": "constexpr", "num_warps": "constexpr",
     }  # fmt: skip
-    constants = dict(HAS_BIAS=True, STAGES=g["STAGES"], GROUP_M=g["GROUP_M"], num_warps=g["num_warps"])
-    kernel = triton.compile(GluonASTSource(gluon_gemm._tf32x3_kernel, signature, constexprs=constants), target=TARGET,
-                            options=dict(num_warps=g["num_warps"]))  # fmt: skip
-    print("gluon tf32x3: ", structure(kernel))
+    for stages in (3, 4):
+        constants = dict(HAS_BIAS=True, STAGES=stages, GROUP_M=g["GROUP_M"], num_warps=g["num_warps"])
+        for name, fn in [("gluon", gluon_gemm._tf32x3_kernel), ("gluon, warp-specialised", gluon_gemm._tf32x3_ws_kernel)]:
+            kernel = triton.compile(GluonASTSource(fn, signature, constexprs=constants), target=TARGET,
+                                    options=dict(num_warps=g["num_warps"]))  # fmt: skip
+            print(f"{name}, {stages} stages:", structure(kernel))
 
 
 if __name__ == "__main__":

@@ -20,10 +20,14 @@ from ase_tcfp32.kernels import gluon_gemm
 from ase_tcfp32.kernels.triton_gemm import TritonBackend
 
 VARIANTS = {
-    "128x128x32 s3 w8": dict(BM=128, BN=128, BK=32, STAGES=3, GROUP_M=8, num_warps=8),  # 251 regs
-    "128x128x32 s4 w8": dict(BM=128, BN=128, BK=32, STAGES=4, GROUP_M=8, num_warps=8),  # 251 regs, 192 KiB
-    "64x128x32 s3 w4": dict(BM=64, BN=128, BK=32, STAGES=3, GROUP_M=8, num_warps=4),  # 251 regs, 120 KiB
-    "128x64x32 s3 w8": dict(BM=128, BN=64, BK=32, STAGES=3, GROUP_M=8, num_warps=8),  # 156 regs
+    "128x128x32 s3 w8": dict(BM=128, BN=128, BK=32, STAGES=3, GROUP_M=8, num_warps=8, WS=False),  # 251 regs
+    "128x128x32 s4 w8": dict(BM=128, BN=128, BK=32, STAGES=4, GROUP_M=8, num_warps=8, WS=False),  # 192 KiB
+    "64x128x32 s3 w4": dict(BM=64, BN=128, BK=32, STAGES=3, GROUP_M=8, num_warps=4, WS=False),  # 120 KiB
+    "128x64x32 s3 w8": dict(BM=128, BN=64, BK=32, STAGES=3, GROUP_M=8, num_warps=8, WS=False),  # 156 regs
+    "128x128x32 s4 w8 ws": dict(BM=128, BN=128, BK=32, STAGES=4, GROUP_M=8, num_warps=8, WS=True),  # 36 B spills
+    "128x128x16 s6 w8": dict(BM=128, BN=128, BK=16, STAGES=6, GROUP_M=8, num_warps=8, WS=False),  # 227 regs
+    "128x128x16 s6 w8 ws": dict(BM=128, BN=128, BK=16, STAGES=6, GROUP_M=8, num_warps=8, WS=True),  # no spills
+    "128x128x16 s8 w8 ws": dict(BM=128, BN=128, BK=16, STAGES=8, GROUP_M=8, num_warps=8, WS=True),  # no spills
 }
 SHAPES = [(673920, 768, 256), (673920, 256, 256), (691200, 256, 768), (691200, 256, 256), (673920, 256, 1024),
           (673920, 512, 256), (673920, 512, 512)]  # fmt: skip
