@@ -26,18 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .triton_gemm import Gemm, Prepared, TritonBackend
-
-
-@gluon.jit
-def _split_tf32(x):
-    """``(hi, lo, hi_c)`` as in triton_gemm._split_tf32 (bit rules of kernels.split)."""
-    bits = x.to(gl.int32, bitcast=True)
-    magnitude = bits & 0x7FFFFFFF
-    rounded = (bits + 0x1000) & -8192
-    hi = gl.where(magnitude >= 0x7F7FF000, bits & -8192, rounded).to(gl.float32, bitcast=True)
-    infinite = magnitude == 0x7F800000
-    return hi, gl.where(infinite, 0.0, x - hi), gl.where(infinite, 0.0, hi)
+from .triton_gemm import Gemm, Prepared, TritonBackend, _split_tf32
 
 
 @gluon.jit
