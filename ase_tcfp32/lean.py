@@ -307,15 +307,11 @@ class LeanPET:
             with torch.no_grad():
                 most = int(self.neighbour_table(positions, torch.zeros_like(cell), cell, numbers)[1])
             self.width = _round_up(most + 4, 8)
-        for _ in range(8):  # widen the table until every atom's neighbours fit
-            if self.cuda_graphs:
-                out = self._replay(positions, cell, numbers, stress)
-            else:
-                out = self._step(positions, cell, numbers, stress)
-            most = int(out["most"])
-            if most <= self.width:
-                break
+        out = self._evaluate(positions, cell, numbers, stress)
+        most = int(out["most"])
+        if most > self.width:  # an atom outgrew the table: widen it and redo the step
             self.width, self._graph = _round_up(most + 4, 8), None
+            out = self._evaluate(positions, cell, numbers, stress)  # the counts do not depend on the width
         results = {
             "energy": float(out["energy"]),
             "energies": out["energies"].double().cpu().numpy(),
@@ -325,13 +321,15 @@ class LeanPET:
             results["stress"] = out["virial"].double().cpu().numpy() / atoms.get_volume()
         return results
 
-    def _replay(self, positions, cell, numbers, stress: bool) -> dict:
-        graph = self._graph
-        if graph is None or graph.stress != stress:
-            graph = self._graph = None
+    def _evaluate(self, positions, cell, numbers, stress: bool) -> dict:
+        """One step: eager, or through the recorded graph (recorded first if needed)."""
+        if not self.cuda_graphs:
+            return self._step(positions, cell, numbers, stress)
+        if self._graph is None or self._graph.stress != stress:
+            self._graph = None  # its memory goes before the next one is recorded
             torch.cuda.synchronize(self.device)
-            graph = self._graph = _Graph(self, positions, cell, numbers, stress)
-        return graph.replay(positions, cell, numbers)
+            self._graph = _Graph(self, positions, cell, numbers, stress)
+        return self._graph.replay(positions, cell, numbers)
 
 
 class _Graph:
