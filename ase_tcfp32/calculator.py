@@ -54,6 +54,7 @@ def _check_emulation(emulate: str, precision: str, device) -> None:
 ENGINES = ("metatomic", "lean", "graphs")
 """How the calculator evaluates the model (see :class:`TCPETCalculator`)."""
 
+
 class TCPETCalculator(Calculator):
     """PET / PET-MAD in ASE with FP32-accurate tensor-core matrix products.
 
@@ -120,8 +121,6 @@ class TCPETCalculator(Calculator):
             raise ValueError(f"engine='graphs' records CUDA graphs and needs a CUDA device, not '{self.device}'")
         self.emulate = emulate
 
-        from metatomic_ase import MetatomicCalculator
-
         self.pet = load_pet(model, version)
         dtype = next(self.pet.parameters()).dtype
         if self.precision != "fp32" and dtype != torch.float32:
@@ -138,6 +137,8 @@ class TCPETCalculator(Calculator):
         self.engine = engine
         self._lean, self._metatomic = None, None
         if engine == "metatomic":
+            from metatomic_ase import MetatomicCalculator
+
             self._metatomic = MetatomicCalculator(
                 self.pet.export().eval(),
                 device=str(self.device),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .calculator import ENGINES
 from .precision import PRECISIONS
 
 
@@ -33,10 +34,10 @@ def _validate(args) -> None:
     if args.jobs > 1:
         options["nve"]["jobs"] = options["relax"]["jobs"] = args.jobs
     if args.test == "all":
-        report.run_all(model, precisions, args.device, args.out, args.quick, options)
+        report.run_all(model, precisions, args.device, args.out, args.quick, options, args.engine)
         print(f"report: {args.out}/report.md")
     else:
-        report.run(args.test, model, precisions, args.device, args.out, args.quick, **options.get(args.test, {}))
+        report.run(args.test, model, precisions, args.device, args.out, args.quick, args.engine, **options.get(args.test, {}))
 
 
 def _info(args) -> None:
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     validate.add_argument("--model", help="uPET name, checkpoint path, or random:<tiny|xs|s|m>")
     validate.add_argument("--precisions", default="fp32,tf32,tf32x3,bf16x9")
     validate.add_argument("--device", default=None)
+    validate.add_argument("--engine", default="metatomic", choices=ENGINES, help="the calculator's engine (docs/usage.md)")
     validate.add_argument("--out", default="validation")
     validate.add_argument("--quick", action="store_true", help="small systems and short runs (CI, laptops)")
     validate.add_argument("--nve-ps", type=float, default=None, help="NVE length in ps (default 30)")

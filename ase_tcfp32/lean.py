@@ -34,6 +34,10 @@ _FAR = 1.0e6
 """Distance given to the padding pairs: past every cutoff, so they weigh exactly zero."""
 
 
+class NeighbourListError(RuntimeError):
+    """vesin could not compute the neighbour list (on this device)."""
+
+
 class Pairs(NamedTuple):
     """Candidate pairs i -> j (+ cell shift) within cutoff + skin, sorted by i, padded."""
 
@@ -74,9 +78,12 @@ def build_pairs(positions: torch.Tensor, cell: torch.Tensor, pbc: np.ndarray, cu
     padded to 10% more, in multiples of 1024, so that the next lists fit too."""
     from vesin import NeighborList
 
-    i, j, shifts = NeighborList(cutoff=cutoff, full_list=True).compute(
-        points=positions, box=cell, periodic=pbc, quantities="ijS", copy=True
-    )
+    try:
+        i, j, shifts = NeighborList(cutoff=cutoff, full_list=True).compute(
+            points=positions, box=cell, periodic=pbc, quantities="ijS", copy=True
+        )
+    except RuntimeError as error:
+        raise NeighbourListError(str(error)) from error
     device, n = positions.device, len(positions)
     i, j, shifts = i.to(device, torch.int64), j.to(device, torch.int64), shifts.to(device, torch.int64)
     order = torch.argsort(i, stable=True)
@@ -95,7 +102,7 @@ def build_pairs(positions: torch.Tensor, cell: torch.Tensor, pbc: np.ndarray, cu
     sorted_keys, by_key = torch.sort(forward)
     found = torch.searchsorted(sorted_keys, key(j, i, -shifts)).clamp_max(max(count - 1, 0))
     if count and not bool((sorted_keys[found] == key(j, i, -shifts)).all()):
-        raise RuntimeError("the neighbour list is not symmetric: a pair i -> j has no j -> i")
+        raise ValueError("the neighbour list is not symmetric: a pair i -> j has no j -> i")
     reverse = by_key[found]
 
     if count > capacity or capacity == 0:
@@ -160,7 +167,7 @@ class LeanPET:
         self.backend = pet.backend
         self.dtype = next(pet.parameters()).dtype
         self._key: tuple | None = None  # numbers, pbc of the current system
-        self._reference: np.ndarray | None = None  # positions (and cell) of the last list
+        self._reference: tuple[np.ndarray, np.ndarray] | None = None  # positions, cell of the last list
         self.pairs: Pairs | None = None
         self.width = 0  # J, the neighbour table's bucket
         self.rebuilds = 0
@@ -193,8 +200,8 @@ class LeanPET:
         capacity = self.pairs.valid.numel() if self.pairs is not None else 0
         try:
             pairs = build_pairs(positions, cell, atoms.pbc, self.backend.cutoff + self.skin, capacity)
-        except RuntimeError as error:
-            if self._nl_device.type == "cpu" or "symmetric" in str(error):
+        except NeighbourListError as error:
+            if self._nl_device.type == "cpu":
                 raise
             warnings.warn(f"vesin could not build the neighbour list on {self._nl_device} ({error}); using the CPU", stacklevel=4)
             self._nl_device = torch.device("cpu")
@@ -307,15 +314,11 @@ class LeanPET:
             with torch.no_grad():
                 most = int(self.neighbour_table(positions, torch.zeros_like(cell), cell, numbers)[1])
             self.width = _round_up(most + 4, 8)
-        for _ in range(8):  # widen the table until every atom's neighbours fit
-            if self.cuda_graphs:
-                out = self._replay(positions, cell, numbers, stress)
-            else:
-                out = self._step(positions, cell, numbers, stress)
-            most = int(out["most"])
-            if most <= self.width:
-                break
+        out = self._evaluate(positions, cell, numbers, stress)
+        most = int(out["most"])
+        if most > self.width:  # an atom outgrew the table: widen it and redo the step
             self.width, self._graph = _round_up(most + 4, 8), None
+            out = self._evaluate(positions, cell, numbers, stress)  # the counts do not depend on the width
         results = {
             "energy": float(out["energy"]),
             "energies": out["energies"].double().cpu().numpy(),
@@ -325,13 +328,15 @@ class LeanPET:
             results["stress"] = out["virial"].double().cpu().numpy() / atoms.get_volume()
         return results
 
-    def _replay(self, positions, cell, numbers, stress: bool) -> dict:
-        graph = self._graph
-        if graph is None or graph.stress != stress:
-            graph = self._graph = None
+    def _evaluate(self, positions, cell, numbers, stress: bool) -> dict:
+        """One step: eager, or through the recorded graph (recorded first if needed)."""
+        if not self.cuda_graphs:
+            return self._step(positions, cell, numbers, stress)
+        if self._graph is None or self._graph.stress != stress:
+            self._graph = None  # its memory goes before the next one is recorded
             torch.cuda.synchronize(self.device)
-            graph = self._graph = _Graph(self, positions, cell, numbers, stress)
-        return graph.replay(positions, cell, numbers)
+            self._graph = _Graph(self, positions, cell, numbers, stress)
+        return self._graph.replay(positions, cell, numbers)
 
 
 class _Graph:

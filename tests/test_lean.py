@@ -129,3 +129,15 @@ def test_lean_matches_metatomic_in_float64(water):
     assert ours.get_potential_energy() == pytest.approx(ref.get_potential_energy(), abs=1e-9)
     assert np.abs(ours.get_forces() - ref.get_forces()).max() < 1e-10
     assert np.abs(ours.get_stress() - ref.get_stress()).max() < 1e-11
+
+
+def test_lean_handles_atoms_without_neighbours():
+    """An isolated atom (no pairs at all) and a dimer: the padding-only tables work."""
+    from ase import Atoms
+
+    for atoms in (Atoms("O", positions=[[0, 0, 0]]), Atoms("OH", positions=[[0, 0, 0], [0, 0, 0.97]])):
+        ref, ours = atoms.copy(), atoms.copy()
+        ref.calc = TCPETCalculator("pet-demo-chgnet", precision="fp32", device="cpu")
+        ours.calc = TCPETCalculator("pet-demo-chgnet", precision="fp32", device="cpu", engine="lean")
+        assert ours.get_potential_energy() == pytest.approx(ref.get_potential_energy(), abs=1e-5)
+        assert np.abs(ours.get_forces() - ref.get_forces()).max() < 1e-5

@@ -110,6 +110,18 @@ def test_api_runs_one_test_and_rejects_unknown_names(tmp_path):
         report.run("nvt", "x", ["fp32"])
 
 
+def test_cli_runs_a_test_in_the_lean_engine(tmp_path):
+    """``--engine lean``: the calculators of the test use it, the JSON and report say so,
+    and the FP32-accurate mode still passes against the (metatomic) FP64 reference."""
+    main(["validate", "single-point", "--model", "random:tiny", "--precisions", "fp32,tf32x3", "--device", "cpu",
+          "--engine", "lean", "--quick", "--out", str(tmp_path)])  # fmt: skip
+    result = load(tmp_path, "single-point")
+    assert result["environment"]["engine"] == "lean"
+    assert rows_by_precision(result["systems"][0]["rows"])["tf32x3"]["passed"]
+    with pytest.raises(SystemExit):
+        main(["validate", "nve", "--model", "random:tiny", "--engine", "fast"])
+
+
 def test_cli_rejects_unknown_precision(capsys):
     with pytest.raises(SystemExit, match="unknown precision 'fp16'"):
         main(["validate", "nve", "--model", "random:tiny", "--precisions", "fp32,fp16"])

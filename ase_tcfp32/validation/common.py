@@ -23,17 +23,21 @@ def resolve_model(model: str) -> str:
     return str(random_checkpoint(model.split(":", 1)[1]))
 
 
-def calculator(model: str, precision: str, device: str | None) -> TCPETCalculator:
-    """A calculator for ``precision``; ``"fp64"`` is the FP32 path on a float64 model."""
+def calculator(model: str, precision: str, device: str | None, engine: str = "metatomic") -> TCPETCalculator:
+    """A calculator for ``precision`` and ``engine``; ``"fp64"`` is the FP32 path on a float64
+    model, always through the metatomic engine (the reference does not move with the engine)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # emulation and fallback notes: the report says it
         if precision == "fp64":
             return TCPETCalculator(load_pet(model).to(torch.float64), precision="fp32", device=device)
-        return TCPETCalculator(model, precision=precision, device=device)
+        return TCPETCalculator(model, precision=precision, device=device, engine=engine)
 
 
-def environment(device: str | None) -> dict:
+def environment(device: str | None, engine: str | None = None) -> dict:
+    """Versions and GPU of this run (and the calculator engine, when given)."""
     env = {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine()}
+    if engine is not None:
+        env["engine"] = engine
     if torch.cuda.is_available() and (device is None or str(device).startswith("cuda")):
         env["gpu"] = torch.cuda.get_device_name()
         env["compute_capability"] = ".".join(map(str, torch.cuda.get_device_capability()))

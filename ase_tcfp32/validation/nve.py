@@ -12,7 +12,7 @@ from .common import calculator, environment, run_jobs, table, write
 from .systems import water_box
 
 
-def run(model: str, precisions: list[str], device=None, out="validation", ps=30.0, timestep_fs=0.5,
+def run(model: str, precisions: list[str], device=None, out="validation", engine="metatomic", ps=30.0, timestep_fs=0.5,
         molecules=64, temperature_K=300.0, seed=0, every=10, jobs=1, noise=1e-6) -> dict:  # fmt: skip
     """NVE of a water box (``molecules`` H2O) for ``ps`` picoseconds from the same start;
     ``jobs`` > 1 runs the trajectories in that many processes at once.
@@ -32,7 +32,7 @@ def run(model: str, precisions: list[str], device=None, out="validation", ps=30.
         displaced = start.copy()
         displaced.positions += np.random.default_rng(seed).normal(scale=noise, size=(len(start), 3))
         runs.insert(precisions.index("fp32") + 1, ("fp32 noise", "fp32", displaced))
-    tasks = [(model, precision, device, atoms, steps, timestep_fs, every) for _, precision, atoms in runs]
+    tasks = [(model, precision, device, engine, atoms, steps, timestep_fs, every) for _, precision, atoms in runs]
     traces, rows = dict(zip([name for name, _, _ in runs], run_jobs(_trajectory, tasks, jobs))), []
     for precision, (t, e) in traces.items():
         (slope, intercept), cov = np.polyfit(t, e, 1, cov=True) if len(t) > 3 else ((np.nan, np.nan), np.full((2, 2), np.nan))
@@ -47,7 +47,7 @@ def run(model: str, precisions: list[str], device=None, out="validation", ps=30.
             row["passed"] = bool(row["finite"] and abs(row["drift_eV_atom_ps"]) <= bound)
     figure = _plot(traces)
     results = write(out, "nve", {
-        "model": model, "environment": environment(device), "atoms": len(start), "ps": ps, "timestep_fs": timestep_fs,
+        "model": model, "environment": environment(device, engine), "atoms": len(start), "ps": ps, "timestep_fs": timestep_fs,
         "rows": rows, "traces": {p: {"t_ps": t.tolist(), "e_tot_eV_atom": e.tolist()} for p, (t, e) in traces.items()},
     }, figure)  # fmt: skip
     print(f"NVE, {len(start)} water atoms, {ps} ps at {timestep_fs} fs")
@@ -56,10 +56,10 @@ def run(model: str, precisions: list[str], device=None, out="validation", ps=30.
     return results
 
 
-def _trajectory(model, precision, device, start, steps, timestep_fs, every) -> tuple[np.ndarray, np.ndarray]:
+def _trajectory(model, precision, device, engine, start, steps, timestep_fs, every) -> tuple[np.ndarray, np.ndarray]:
     """Times (ps) and total energies (eV/atom) every ``every`` steps of one NVE run."""
     atoms = start.copy()
-    atoms.calc = calculator(model, precision, device)
+    atoms.calc = calculator(model, precision, device, engine)
     dyn = VelocityVerlet(atoms, timestep=timestep_fs * fs)
     times, energies = [], []
     bar = tqdm(total=steps, desc=f"NVE {precision}", leave=False)

@@ -12,7 +12,7 @@ from .common import calculator, environment, run_jobs, table, write
 from .systems import cantor_slab
 
 
-def run(model: str, precisions: list[str], device=None, out="validation", fmax=1e-3, max_steps=500,
+def run(model: str, precisions: list[str], device=None, out="validation", engine="metatomic", fmax=1e-3, max_steps=500,
         repeats=3, size=(7, 7, 11), rattle=0.05, jobs=1) -> dict:  # fmt: skip
     """FIRE to ``fmax`` eV/Å (at most ``max_steps``) from ``repeats`` seeded starts
     (species arrangement and a ``rattle`` Å displacement per seed); ``jobs`` > 1 runs
@@ -20,7 +20,7 @@ def run(model: str, precisions: list[str], device=None, out="validation", fmax=1
 
     Pass: converged in every repeat, and mean steps within 2% of FP32's.
     """
-    tasks = [(model, p, device, seed, size, rattle, fmax, max_steps) for p in precisions for seed in range(repeats)]
+    tasks = [(model, p, device, engine, seed, size, rattle, fmax, max_steps) for p in precisions for seed in range(repeats)]
     done = iter(run_jobs(_relax, tasks, jobs))
     runs, rows = {p: [next(done) for _ in range(repeats)] for p in precisions}, []
     for precision in precisions:
@@ -37,7 +37,7 @@ def run(model: str, precisions: list[str], device=None, out="validation", fmax=1
             row["passed"] = bool(all_converged and abs(row["steps"] - reference["steps"]) <= 0.02 * reference["steps"])
     figure = _plot(runs)
     n_atoms = len(cantor_slab(size=size))
-    results = write(out, "relax", {"model": model, "environment": environment(device), "atoms": n_atoms,
+    results = write(out, "relax", {"model": model, "environment": environment(device, engine), "atoms": n_atoms,
                                    "fmax": fmax, "max_steps": max_steps, "rows": rows, "runs": runs}, figure)  # fmt: skip
     print(f"FIRE relaxation, Cantor-alloy slab of {n_atoms} atoms, fmax {fmax} eV/Å, {repeats} repeats")
     print(table(rows, [("precision", "precision", "s"), ("steps", "mean steps", ".1f"), ("converged", "converged", "s"),
@@ -45,11 +45,11 @@ def run(model: str, precisions: list[str], device=None, out="validation", fmax=1
     return results
 
 
-def _relax(model, precision, device, seed, size, rattle, fmax, max_steps) -> dict:
+def _relax(model, precision, device, engine, seed, size, rattle, fmax, max_steps) -> dict:
     """One FIRE relaxation: steps, convergence, final fmax, seconds per step, fmax trace."""
     atoms = cantor_slab(size=size, seed=seed)
     atoms.rattle(rattle, seed=seed)
-    atoms.calc = calculator(model, precision, device)
+    atoms.calc = calculator(model, precision, device, engine)
     trace = []
     opt = FIRE(atoms, logfile=None)
     opt.attach(lambda: trace.append(float(np.linalg.norm(atoms.get_forces(), axis=1).max())))

@@ -26,19 +26,22 @@ QUICK = {
 """Small settings for CI and laptops: the same tests on systems of tens of atoms."""
 
 
-def run(test: str, model: str, precisions: list[str], device=None, out="validation", quick=False, **options) -> dict:
-    """Run one test by name (``single-point``, ``smoothness``, ``nve``, ``relax``, ``speed``)."""
+def run(test: str, model: str, precisions: list[str], device=None, out="validation", quick=False,
+        engine="metatomic", **options) -> dict:  # fmt: skip
+    """Run one test by name (``single-point``, ``smoothness``, ``nve``, ``relax``, ``speed``)
+    with the calculators in ``engine`` (``TCPETCalculator(engine=...)``)."""
     if test not in TESTS:
         raise ValueError(f"unknown validation test {test!r}; valid: {', '.join([*TESTS, 'all'])}")
     settings = {**(QUICK[test] if quick else {}), **options}
-    return TESTS[test](model, precisions, device=device, out=out, **settings)
+    return TESTS[test](model, precisions, device=device, out=out, engine=engine, **settings)
 
 
-def run_all(model: str, precisions: list[str], device=None, out="validation", quick=False, options=None) -> dict:
+def run_all(model: str, precisions: list[str], device=None, out="validation", quick=False, options=None,
+            engine="metatomic") -> dict:  # fmt: skip
     """Every test, then ``report.md`` in ``out``; ``options`` maps test names to settings."""
     options = options or {}
-    results = {name: run(name, model, precisions, device, out, quick, **options.get(name, {})) for name in TESTS}
-    Path(out, "report.md").write_text(markdown(results, model, environment(device)))
+    results = {name: run(name, model, precisions, device, out, quick, engine, **options.get(name, {})) for name in TESTS}
+    Path(out, "report.md").write_text(markdown(results, model, environment(device, engine)))
     return results
 
 

@@ -32,7 +32,7 @@ def _prefixed(prefix, result, reference, n_atoms) -> dict:
     return {f"{prefix}_{k}": v for k, v in _errors(result, reference, n_atoms).items()}
 
 
-def run(model: str, precisions: list[str], device=None, out="validation", molecules=(64, 5760), seed=0) -> dict:
+def run(model: str, precisions: list[str], device=None, out="validation", engine="metatomic", molecules=(64, 5760), seed=0) -> dict:
     """Single points of water boxes (``molecules`` H2O each, 1 g/cm³).
 
     FP32's noise floor: the largest of FP32's difference to itself on a repeat run (GPU
@@ -45,7 +45,7 @@ def run(model: str, precisions: list[str], device=None, out="validation", molecu
     for n_mol in molecules:
         atoms = water_box(n_mol, seed=seed)
         order = np.arange(len(atoms))[::-1]
-        fp32 = calculator(model, "fp32", device)
+        fp32 = calculator(model, "fp32", device, engine)
         ref32 = _evaluate(fp32, atoms)
         again = _evaluate(fp32, atoms)
         e_r, f_r, s_r = _evaluate(fp32, atoms[order])
@@ -62,7 +62,7 @@ def run(model: str, precisions: list[str], device=None, out="validation", molecu
         rows = [{"precision": "fp32 noise", **{f"vs_fp32_{k}": v for k, v in noise.items()}}]
         rows.append({"precision": "fp32", **fp32_vs_fp64})
         for precision in tqdm([p for p in precisions if p != "fp32"], desc=f"single points, {len(atoms)} atoms", leave=False):
-            result = _evaluate(calculator(model, precision, device), atoms)
+            result = _evaluate(calculator(model, precision, device, engine), atoms)
             row = {"precision": precision}
             row.update(_prefixed("vs_fp32", result, ref32, len(atoms)))
             row.update(_prefixed("vs_fp64", result, ref64, len(atoms)))
@@ -72,7 +72,7 @@ def run(model: str, precisions: list[str], device=None, out="validation", molecu
         systems.append({"atoms": len(atoms), "noise_floor_force_rms": floor, "rows": rows})
 
     figure = _plot(systems)
-    results = write(out, "single-point", {"model": model, "environment": environment(device), "systems": systems}, figure)
+    results = write(out, "single-point", {"model": model, "environment": environment(device, engine), "systems": systems}, figure)
     for system in systems:
         print(f"single point, {system['atoms']} water atoms")
         print(table(system["rows"], [

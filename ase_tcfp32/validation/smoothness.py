@@ -19,7 +19,7 @@ def roughness(energies: np.ndarray, exact: np.ndarray) -> float:
     return float(np.sqrt(np.mean(np.diff(energies - exact, 2) ** 2)))
 
 
-def run(model: str, precisions: list[str], device=None, out="validation", start=1.2, step=0.081, points=60, size=(3, 3, 4)) -> dict:
+def run(model: str, precisions: list[str], device=None, out="validation", engine="metatomic", start=1.2, step=0.081, points=60, size=(3, 3, 4)) -> dict:
     """Pull CO rigidly from ``start`` Å above the top Pt in ``points`` steps of ``step`` Å.
 
     Pass: each FP32-accurate precision's roughness (against FP64) <= 2 x FP32's.
@@ -29,7 +29,7 @@ def run(model: str, precisions: list[str], device=None, out="validation", start=
     carbon = len(slab) - 2
     curves = {}
     for precision in ["fp64", *precisions]:
-        calc = calculator(model, precision, device)
+        calc = calculator(model, precision, device, engine)
         energies = []
         for h in tqdm(heights, desc=f"CO pull-off, {precision}", leave=False):
             atoms = slab.copy()
@@ -49,7 +49,7 @@ def run(model: str, precisions: list[str], device=None, out="validation", start=
         rows.append(row)
     figure = _plot(heights, curves, exact)
     results = write(out, "smoothness", {
-        "model": model, "environment": environment(device), "heights": heights.tolist(),
+        "model": model, "environment": environment(device, engine), "heights": heights.tolist(),
         "energies": {p: e.tolist() for p, e in curves.items()}, "energies_fp64": exact.tolist(), "rows": rows,
     }, figure)  # fmt: skip
     print(f"CO/Pt(111) pull-off, {len(slab)} atoms, {points} heights")

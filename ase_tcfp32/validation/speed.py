@@ -38,14 +38,14 @@ def _step_times(calc, atoms, warmup: int, repeats: int, device) -> list[float]:
     return times
 
 
-def run(model: str, precisions: list[str], device=None, out="validation", molecules=(64, 5760), warmup=3, repeats=10) -> dict:
+def run(model: str, precisions: list[str], device=None, out="validation", engine="metatomic", molecules=(64, 5760), warmup=3, repeats=10) -> dict:
     """Median time per energy+forces call of water boxes; speed-up vs FP32 of the same run."""
     systems = []
     for n_mol in molecules:
         atoms = water_box(n_mol, seed=0)
         rows = []
         for precision in tqdm(precisions, desc=f"speed, {len(atoms)} atoms", leave=False):
-            calc = calculator(model, precision, device)
+            calc = calculator(model, precision, device, engine)
             if calc.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             times = _step_times(calc, atoms, warmup, repeats, device)
@@ -60,7 +60,7 @@ def run(model: str, precisions: list[str], device=None, out="validation", molecu
             row["speedup"] = base / row["ms"] if base else None
         systems.append({"atoms": len(atoms), "rows": rows})
     figure = _plot(systems)
-    results = write(out, "speed", {"model": model, "environment": environment(device), "warmup": warmup,
+    results = write(out, "speed", {"model": model, "environment": environment(device, engine), "warmup": warmup,
                                    "repeats": repeats, "systems": systems}, figure)  # fmt: skip
     for system in systems:
         print(f"speed, {system['atoms']} water atoms (median of {repeats})")
