@@ -98,10 +98,10 @@ def build_pairs(positions: torch.Tensor, cell: torch.Tensor, pbc: np.ndarray, cu
         code = ((s[:, 0] + reach) * width + s[:, 1] + reach) * width + s[:, 2] + reach
         return (a * n + b) * width**3 + code
 
-    forward = key(i, j, shifts)
-    sorted_keys, by_key = torch.sort(forward)
-    found = torch.searchsorted(sorted_keys, key(j, i, -shifts)).clamp_max(max(count - 1, 0))
-    if count and not bool((sorted_keys[found] == key(j, i, -shifts)).all()):
+    sorted_keys, by_key = torch.sort(key(i, j, shifts))
+    wanted = key(j, i, -shifts)
+    found = torch.searchsorted(sorted_keys, wanted).clamp_max(max(count - 1, 0))
+    if count and not bool((sorted_keys[found] == wanted).all()):
         raise ValueError("the neighbour list is not symmetric: a pair i -> j has no j -> i")
     reverse = by_key[found]
 
@@ -311,7 +311,7 @@ class LeanPET:
         numbers = torch.from_numpy(atoms.numbers).to(self.device, torch.long)
         if self.width == 0:  # first call: size the table from the neighbour counts
             self.width = 8
-            with torch.no_grad():
+            with torch.enable_grad():  # the step's grad mode: with compile=True, no second compilation
                 most = int(self.neighbour_table(positions, torch.zeros_like(cell), cell, numbers)[1])
             self.width = _round_up(most + 4, 8)
         out = self._evaluate(positions, cell, numbers, stress)

@@ -9,8 +9,9 @@ physical, so the runs are short and the time step small) and water boxes of 192 
 prints the median ms per step, the speed-up against FP32 measured in the same run (in the
 same configuration, and the best FP32 of all engines and compile modes measured: the
 best FP32 a user can get), and the peak GPU memory. ``--engines`` picks the calculator's
-evaluation engines (``TCPETCalculator(engine=...)``). A configuration that runs out of memory is reported as such. ``--low-memory``
-recomputes the GNN layers in the backward pass (``TCPETCalculator(low_memory=True)``).
+evaluation engines (``TCPETCalculator(engine=...)``). A configuration that runs out of
+memory or fails is reported as such. ``--low-memory`` recomputes the GNN layers in the
+backward pass (``TCPETCalculator(low_memory=True)``).
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def main() -> None:
 
 
 def save(path: str | None, rows: list[dict]) -> None:
-    """Write the rows so far (after every box: a run cut short keeps what it measured)."""
+    """Write the rows so far (after every row: a run cut short keeps what it measured)."""
     if path:
         with open(path, "w") as f:
             json.dump({"environment": environment("cuda"), "rows": rows}, f, indent=1)
