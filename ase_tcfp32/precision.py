@@ -6,12 +6,15 @@ A *precision* names the arithmetic of every ``torch.nn.Linear`` product in the m
 fp32      IEEE single precision (cuBLAS SGEMM / CPU BLAS); the baseline
 tf32      one TF32 tensor-core pass; ~1e-4 relative error, for comparison only
 tf32x3    three TF32 passes (hi*hi + hi*lo + lo*hi); FP32-level error
+fp16x3    three FP16 passes over operands scaled per row by powers of two
+          (hi*hi + hi*lo + lo*hi); FP32-level error
 bf16x9    nine BF16 passes over a three-way split; FP32-level error
 ========  =====================================================================
 
 Which *backend* computes a mode depends on the device: cuBLAS's own BF16x9
-emulation on Blackwell (compute capability 10.0 and 10.3), our Triton kernels on
-Ampere and newer (8.x, 9.x, ...), and the torch reference emulation on CPU.
+emulation on Blackwell (compute capability 10.0 and 10.3), our Gluon fp16x3 kernel on
+Hopper (9.0), our Triton kernels for the others on Ampere and newer (8.x, 9.x, ...),
+and the torch reference emulation on CPU.
 """
 
 from __future__ import annotations
@@ -23,11 +26,15 @@ from typing import Iterator
 
 import torch
 
-PRECISIONS = ("fp32", "tf32", "tf32x3", "bf16x9")
+PRECISIONS = ("fp32", "tf32", "tf32x3", "fp16x3", "bf16x9")
 """Every precision a user can force; ``"auto"`` picks one of them."""
 
 BLACKWELL_BF16X9 = ((10, 0), (10, 3))
 """Compute capabilities on which cuBLAS implements FP32 emulation with BF16x9."""
+
+
+HOPPER = (9, 0)
+"""The compute capability of the fp16x3 kernel (wgmma and TMA, written in Gluon)."""
 
 
 class UnsupportedPrecisionError(ValueError):
@@ -73,6 +80,14 @@ def support(precision: str, device: torch.device | str) -> PrecisionSupport:
             precision, str(device), False, "none",
             f"compute capability {cc[0]}.{cc[1]} has no TF32/BF16 tensor cores (needs 8.0+)",
         )
+    if precision == "fp16x3":
+        if cc != HOPPER:
+            return PrecisionSupport(
+                precision, str(device), False, "none",
+                f"fp16x3 has a kernel for Hopper (compute capability 9.0) only, not {cc[0]}.{cc[1]}; "
+                "tf32x3 is the FP32-accurate mode here",
+            )
+        return PrecisionSupport(precision, str(device), True, "gluon", "ase_tcfp32 Gluon kernel (Hopper)")
     if precision == "bf16x9" and cc in BLACKWELL_BF16X9:
         return PrecisionSupport(
             precision, str(device), True, "cuBLAS BF16x9",

@@ -2,7 +2,7 @@
 
     python benchmarks/compile_sm90.py      # needs Triton (3.6 is what the H200 runs)
 
-For the production Triton kernel and the Gluon kernel (branch work): wgmma instructions
+For the production Triton kernel, the Gluon tf32x3 kernels and the fp16x3 kernel: wgmma instructions
 and ``wgmma.wait_group`` values in the PTX (how often the tensor cores are waited for per
 K-tile), registers and spilled bytes from ``ptxas -v``, and shared memory.
 """
@@ -20,7 +20,7 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from ase_tcfp32.kernels import gluon_gemm, triton_gemm
+from ase_tcfp32.kernels import fp16x3, gluon_gemm, triton_gemm
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -38,9 +38,9 @@ def structure(kernel) -> str:
     return f"wgmma={ptx.count('wgmma.mma_async')} waits={waits} registers={regs} spill_bytes={spills} smem={kernel.metadata.shared}"
 
 
-def gluon_descriptor(block: list[int]) -> str:
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
-    return f"tensordesc<fp32[{', '.join(map(str, block))}],{layout!r}>"
+def gluon_descriptor(block: list[int], dtype: str = "fp32") -> str:
+    layout = gl.NVMMASharedLayout.get_default_for(block, {"fp32": gl.float32, "fp16": gl.float16}[dtype])
+    return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
 
 
 def main() -> None:
@@ -71,6 +71,18 @@ def main() -> None:
                                     options=dict(num_warps=g["num_warps"]))  # fmt: skip
             print(f"{name}, {stages} stages:", structure(kernel))
 
+    for bk, stages in ((32, 4), (64, 3)):
+        g = dict(fp16x3.CONFIG, BK=bk, STAGES=stages)
+        signature = {
+            "x_desc": gluon_descriptor([g["BM"], bk]), "hi_desc": gluon_descriptor([g["BN"], bk], "fp16"),
+            "lo_desc": gluon_descriptor([g["BN"], bk], "fp16"), "y_ptr": "*fp32", "scale_ptr": "*fp32", "bias_ptr": "*fp32",
+            "M": "i32", "N": "i32", "stride_ym": "i32", "HAS_BIAS": "constexpr", "STAGES": "constexpr",
+            "GROUP_M": "constexpr", "num_warps": "constexpr",
+        }  # fmt: skip
+        constants = dict(HAS_BIAS=True, STAGES=stages, GROUP_M=g["GROUP_M"], num_warps=g["num_warps"])
+        kernel = triton.compile(GluonASTSource(fp16x3._fp16x3_kernel, signature, constexprs=constants), target=TARGET,
+                                options=dict(num_warps=g["num_warps"]))  # fmt: skip
+        print(f"fp16x3, BK={bk}, {stages} stages:", structure(kernel))
 
 if __name__ == "__main__":
     main()

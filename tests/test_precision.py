@@ -43,16 +43,24 @@ def test_precision_the_gpu_cannot_run_is_a_clear_error(fake_gpu):
 def test_backends_per_generation(fake_gpu):
     fake_gpu((9, 0))
     assert support("bf16x9", "cuda").backend == "triton"
+    assert support("fp16x3", "cuda").backend == "gluon"
     fake_gpu((10, 0))
     assert support("bf16x9", "cuda").backend == "cuBLAS BF16x9"
     assert support("tf32x3", "cuda").backend == "triton"
+
+
+@pytest.mark.parametrize("cc", [(8, 0), (8, 9), (10, 0)])
+def test_fp16x3_outside_hopper_is_a_clear_error(fake_gpu, cc):
+    fake_gpu(cc)
+    with pytest.raises(UnsupportedPrecisionError, match=r"fp16x3 has a kernel for Hopper \(compute capability 9.0\) only"):
+        resolve_precision("fp16x3", "cuda")
 
 
 def test_available_precisions_lists_every_mode_on_cpu():
     rows = available_precisions("cpu")
     assert [r.precision for r in rows] == list(PRECISIONS)
     assert all(r.available for r in rows)
-    assert [r.backend for r in rows] == ["CPU BLAS", "reference", "reference", "reference"]
+    assert [r.backend for r in rows] == ["CPU BLAS", "reference", "reference", "reference", "reference"]
 
 
 def test_ieee_guard_restores_the_callers_setting():
