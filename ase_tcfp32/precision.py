@@ -20,6 +20,8 @@ and the torch reference emulation on CPU.
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 import warnings
 from dataclasses import dataclass
 from typing import Iterator
@@ -62,6 +64,15 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device)
 
 
+@functools.cache
+def _has_gluon() -> bool:
+    """Whether Triton's Gluon dialect (with the Hopper TMA and wgmma API) is importable."""
+    try:
+        return importlib.util.find_spec("triton.experimental.gluon.language.nvidia.hopper") is not None
+    except ImportError:
+        return False
+
+
 def support(precision: str, device: torch.device | str) -> PrecisionSupport:
     """Tell whether ``precision`` runs on ``device`` and through which backend."""
     check_name(precision, allow_auto=False)
@@ -87,6 +98,11 @@ def support(precision: str, device: torch.device | str) -> PrecisionSupport:
                 f"fp16x3 has a kernel for Hopper (compute capability 9.0) only, not {cc[0]}.{cc[1]}; "
                 "tf32x3 is the FP32-accurate mode here",
             )
+        if not _has_gluon():
+            return PrecisionSupport(
+                precision, str(device), False, "none",
+                "the fp16x3 kernel is written in Gluon, which this Triton lacks (needs Triton 3.6, as torch 2.11 pins)",
+            )
         return PrecisionSupport(precision, str(device), True, "gluon", "ase_tcfp32 Gluon kernel (Hopper)")
     if precision == "bf16x9" and cc in BLACKWELL_BF16X9:
         return PrecisionSupport(
@@ -105,9 +121,11 @@ def auto_precision(device: torch.device | str) -> tuple[str, str]:
     name = f"{torch.cuda.get_device_name(device)} (compute capability {cc[0]}.{cc[1]})"
     if cc in BLACKWELL_BF16X9:
         return "bf16x9", f"{name} has cuBLAS BF16x9 FP32 emulation"
+    if cc == HOPPER and support("fp16x3", device).available:
+        return "fp16x3", f"{name} runs our fp16x3 kernel (FP16 tensor cores, per-row scaling)"
     if cc[0] in (8, 9):
         return "tf32x3", f"{name} has TF32 tensor cores"
-    return "fp32", f"{name} is not in the tested table (8.x, 9.x -> tf32x3; 10.0, 10.3 -> bf16x9)"
+    return "fp32", f"{name} is not in the tested table (9.0 -> fp16x3; 8.x, 9.x -> tf32x3; 10.0, 10.3 -> bf16x9)"
 
 
 def check_name(precision: object, *, allow_auto: bool = True) -> str:

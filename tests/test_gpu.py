@@ -121,11 +121,11 @@ def test_info_reports_the_gpu_and_cublas(capsys):
     assert torch.cuda.get_device_name() in out and "cuBLAS 1" in out and "auto -> " in out
 
 
-def test_auto_picks_tf32x3_on_hopper_and_ampere():
-    major, _ = torch.cuda.get_device_capability()
-    if major not in (8, 9):
-        pytest.skip("table row for 8.x / 9.x")
-    assert auto_precision("cuda")[0] == "tf32x3"
+def test_auto_picks_fp16x3_on_hopper_and_tf32x3_on_ampere():
+    cc = torch.cuda.get_device_capability()
+    if cc[0] not in (8, 9):
+        pytest.skip("table rows for 8.x / 9.x")
+    assert auto_precision("cuda")[0] == ("fp16x3" if cc == (9, 0) else "tf32x3")
 
 
 def test_cublas_bf16x9_call_reaches_cublas():

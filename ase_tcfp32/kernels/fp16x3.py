@@ -9,9 +9,9 @@ sum with one multiply-add by the rows' ``2^-a``; the weight's scale is undone at
 FP16 tensor cores run twice as fast as TF32 ones, so the three products cost what 1.5
 TF32 passes would; the per-row scaling keeps FP32's exponent range.
 
-Measured on H200 (``benchmarks/gluon_variants.py``, ``docs/kernel_notes.md``): 2.1-2.25x
-cuBLAS FP32 on the 17,280-atom PET-S shapes at 0.3-0.5x its error vs FP64, against
-1.4-1.8x for the Triton tf32x3 kernel in the same run. The kernel is persistent and warp
+Measured on H200 (``benchmarks/gemm.py``, ``docs/performance.md``): 2.0-2.6x cuBLAS FP32
+on the 17,280-atom PET-S layers and 2.05-2.8x on PET-M, forward and backward, at 0.2-0.4x
+its error vs FP64; the Triton tf32x3 kernel 1.6-2.1x in the same run. The kernel is persistent and warp
 specialised: a TMA producer warp streams x (FP32) and the weight's words through a ring,
 while two consumer warpgroups split x in registers and issue asynchronous wgmma groups,
 one K-tile ahead of the FP32 sum.
