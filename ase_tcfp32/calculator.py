@@ -63,7 +63,7 @@ class TCPETCalculator(Calculator):
     :param model: a uPET name (``"pet-mad-s"``), a metatrain ``.ckpt`` path, or a loaded
         metatrain PET model (modified in place).
     :param version: uPET model version when ``model`` is a name.
-    :param precision: ``"auto"``, ``"fp32"``, ``"tf32"``, ``"tf32x3"`` or ``"bf16x9"``
+    :param precision: ``"auto"``, ``"fp32"``, ``"tf32"``, ``"tf32x3"``, ``"fp16x3"`` or ``"bf16x9"``
         (see :mod:`ase_tcfp32.precision`).
     :param device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``; default CUDA when available.
     :param emulate: a GPU name (``"A100"``, ``"H100"``, ``"B200"``... see

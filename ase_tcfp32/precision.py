@@ -6,28 +6,37 @@ A *precision* names the arithmetic of every ``torch.nn.Linear`` product in the m
 fp32      IEEE single precision (cuBLAS SGEMM / CPU BLAS); the baseline
 tf32      one TF32 tensor-core pass; ~1e-4 relative error, for comparison only
 tf32x3    three TF32 passes (hi*hi + hi*lo + lo*hi); FP32-level error
+fp16x3    three FP16 passes over operands scaled per row by powers of two
+          (hi*hi + hi*lo + lo*hi); FP32-level error
 bf16x9    nine BF16 passes over a three-way split; FP32-level error
 ========  =====================================================================
 
 Which *backend* computes a mode depends on the device: cuBLAS's own BF16x9
-emulation on Blackwell (compute capability 10.0 and 10.3), our Triton kernels on
-Ampere and newer (8.x, 9.x, ...), and the torch reference emulation on CPU.
+emulation on Blackwell (compute capability 10.0 and 10.3), our Gluon fp16x3 kernel on
+Hopper (9.0), our Triton kernels for the others on Ampere and newer (8.x, 9.x, ...),
+and the torch reference emulation on CPU.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 import warnings
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
-PRECISIONS = ("fp32", "tf32", "tf32x3", "bf16x9")
+PRECISIONS = ("fp32", "tf32", "tf32x3", "fp16x3", "bf16x9")
 """Every precision a user can force; ``"auto"`` picks one of them."""
 
 BLACKWELL_BF16X9 = ((10, 0), (10, 3))
 """Compute capabilities on which cuBLAS implements FP32 emulation with BF16x9."""
+
+
+HOPPER = (9, 0)
+"""The compute capability of the fp16x3 kernel (wgmma and TMA, written in Gluon)."""
 
 
 class UnsupportedPrecisionError(ValueError):
@@ -55,6 +64,15 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device)
 
 
+@functools.cache
+def _has_gluon() -> bool:
+    """Whether Triton's Gluon dialect (with the Hopper TMA and wgmma API) is importable."""
+    try:
+        return importlib.util.find_spec("triton.experimental.gluon.language.nvidia.hopper") is not None
+    except ImportError:
+        return False
+
+
 def support(precision: str, device: torch.device | str) -> PrecisionSupport:
     """Tell whether ``precision`` runs on ``device`` and through which backend."""
     check_name(precision, allow_auto=False)
@@ -73,6 +91,19 @@ def support(precision: str, device: torch.device | str) -> PrecisionSupport:
             precision, str(device), False, "none",
             f"compute capability {cc[0]}.{cc[1]} has no TF32/BF16 tensor cores (needs 8.0+)",
         )
+    if precision == "fp16x3":
+        if cc != HOPPER:
+            return PrecisionSupport(
+                precision, str(device), False, "none",
+                f"fp16x3 has a kernel for Hopper (compute capability 9.0) only, not {cc[0]}.{cc[1]}; "
+                "tf32x3 is the FP32-accurate mode here",
+            )
+        if not _has_gluon():
+            return PrecisionSupport(
+                precision, str(device), False, "none",
+                "the fp16x3 kernel is written in Gluon, which this Triton lacks (needs Triton 3.6, as torch 2.11 pins)",
+            )
+        return PrecisionSupport(precision, str(device), True, "gluon", "ase_tcfp32 Gluon kernel (Hopper)")
     if precision == "bf16x9" and cc in BLACKWELL_BF16X9:
         return PrecisionSupport(
             precision, str(device), True, "cuBLAS BF16x9",
@@ -90,9 +121,11 @@ def auto_precision(device: torch.device | str) -> tuple[str, str]:
     name = f"{torch.cuda.get_device_name(device)} (compute capability {cc[0]}.{cc[1]})"
     if cc in BLACKWELL_BF16X9:
         return "bf16x9", f"{name} has cuBLAS BF16x9 FP32 emulation"
+    if cc == HOPPER and support("fp16x3", device).available:
+        return "fp16x3", f"{name} runs our fp16x3 kernel (FP16 tensor cores, per-row scaling)"
     if cc[0] in (8, 9):
         return "tf32x3", f"{name} has TF32 tensor cores"
-    return "fp32", f"{name} is not in the tested table (8.x, 9.x -> tf32x3; 10.0, 10.3 -> bf16x9)"
+    return "fp32", f"{name} is not in the tested table (9.0 -> fp16x3; 8.x, 9.x -> tf32x3; 10.0, 10.3 -> bf16x9)"
 
 
 def check_name(precision: object, *, allow_auto: bool = True) -> str:

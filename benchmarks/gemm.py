@@ -1,12 +1,16 @@
 """GEMM speed and accuracy on PET shapes: cuBLAS FP32 / TF32 against our kernels.
 
-    python benchmarks/gemm.py [--models s,m] [--atoms 192,17280] [--out results.json]
+    python benchmarks/gemm.py [--models s,m] [--atoms 192,17280] [--kernels tf32,tf32x3,fp16x3,bf16x9]
+                              [--gluon] [--out results.json]
+    python benchmarks/gemm.py --markdown results.json    # the tables of docs/performance.md
 
 For each Linear of PET-MAD-S / -M (shapes from the PET-MAD hyperparameters, M = atoms x
 padded neighbours or atoms x (neighbours + 1), water at 1 g/cm³) it times the forward
 y = x W^T + b and the force backward dX = dY W with cuBLAS FP32 (IEEE), cuBLAS TF32 and
-each Triton kernel, in the same run, and prints speed-ups against cuBLAS FP32 and
-relative Frobenius errors against FP64 (first 16384 rows).
+each of our kernels (Triton; fp16x3 and, with ``--gluon``, the Gluon tf32x3 kernel on
+Hopper), in the same run, and prints speed-ups against cuBLAS FP32 and relative
+Frobenius errors against FP64 (first 16384 rows). Our backends send GEMMs too small to
+fill the GPU to cuBLAS FP32, as the calculator does.
 """
 
 from __future__ import annotations
@@ -95,7 +99,7 @@ def environment() -> dict:
 
 def markdown(results: dict) -> str:
     """The speed-up and error table of a results JSON, as Markdown."""
-    kernels = [k for k in results["shapes"][0] if k.startswith(("cublas", "triton"))]
+    kernels = [k for k in results["shapes"][0] if k.startswith(METHODS)]
     lines = [
         "| model | atoms | layer | M x K x N | FP32 fwd ms | " + " | ".join(k.replace("_", " ") for k in kernels[1:]) + " |",
         "|---|---|---|---|---|" + "---|" * (len(kernels) - 1),
@@ -113,29 +117,38 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+METHODS = ("cublas", "triton", "gluon")
+"""Prefixes of the methods' keys in a results row."""
+
 PEAKS = {"H100": (494.7, 3.35), "H200": (494.7, 4.3), "A100": (156.0, 1.6)}
 """Dense TF32 tensor-core TFLOP/s and memory bandwidth (TB/s; H200: measured copy rate)."""
 
+BOUND = {"tf32": 1, "tf32x3": 1 / 3, "fp16x3": 2 / 3, "bf16x9": 2 / 9}
+"""Each emulation's FP32-equivalent tensor-core bound as a multiple of the dense TF32
+peak (FP16 and BF16 tensor cores run at twice the TF32 rate)."""
+
 
 def roofline(results: dict, min_rows: int = 100_000) -> str:
-    """TFLOP/s of every method on the large shapes, and tf32x3's share of the 3xTF32
-    tensor-core bound and of the memory floor (read x and w, write y once), as Markdown."""
+    """Forward TFLOP/s of every method on the large shapes, each of our kernels' share of
+    its tensor-core bound (:data:`BOUND`), and the memory floor (read x and the weight's
+    words, write y once), as Markdown."""
     peak = next((v for name, v in PEAKS.items() if name in results["environment"]["gpu"]), None)
-    kernels = [k for k in results["shapes"][0] if k.startswith(("cublas", "triton"))]
+    kernels = [k for k in results["shapes"][0] if k.startswith(METHODS)]
+    ours = [k for k in kernels if not k.startswith("cublas")]
     lines = ["| shape (M x K x N) | " + " | ".join(f"{k.replace('_', ' ')} TFLOP/s" for k in kernels)
-             + " | tf32x3 / 3xTF32 bound | tf32x3 / memory floor |",
-             "|---|" + "---|" * (len(kernels) + 2)]  # fmt: skip
+             + "".join(f" | {k.split('_')[-1]} / bound" for k in ours) + " | memory floor ms |",
+             "|---|" + "---|" * (len(kernels) + len(ours) + 1)]  # fmt: skip
     for row in results["shapes"]:
         if row["M"] < min_rows:
             continue
         m, k, n = row["M"], row["K"], row["N"]
         tflops = {name: 2 * m * k * n / (row[name]["fwd_ms"] * 1e9) for name in kernels}
         cells = [f"{tflops[name]:.0f}" for name in kernels]
-        if peak and "triton_tf32x3" in row:
-            floor_ms = 4 * (m * k + m * n + 2 * k * n) / (peak[1] * 1e9)
-            cells += [f"{tflops['triton_tf32x3'] / (peak[0] / 3):.2f}", f"{floor_ms / row['triton_tf32x3']['fwd_ms']:.2f}"]
+        if peak:
+            cells += [f"{tflops[name] / (peak[0] * BOUND[name.split('_')[-1]]):.2f}" for name in ours]
+            cells.append(f"{4 * (m * k + m * n + 2 * k * n) / (peak[1] * 1e9):.2f}")
         else:
-            cells += ["", ""]
+            cells += [""] * (len(ours) + 1)
         lines.append(f"| {row['model']} {row['layer']} {m}x{k}x{n} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -144,7 +157,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="s,m")
     parser.add_argument("--atoms", default="192,17280")
-    parser.add_argument("--kernels", default="tf32,tf32x3,bf16x9")
+    parser.add_argument("--kernels", default="tf32,tf32x3,bf16x9", help="precisions of our kernels (fp16x3: Hopper)")
+    parser.add_argument("--gluon", action="store_true", help="also the Gluon tf32x3 kernel (Hopper, experimental)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--markdown", default=None, help="print the tables of a results JSON and exit")
     args = parser.parse_args()
@@ -153,11 +167,22 @@ def main() -> None:
             results = json.load(f)
         print(markdown(results), roofline(results), sep="\n\n")
         return
-    backends = {f"triton_{p}": TritonBackend(p) for p in args.kernels.split(",")}
+    backends = {}
+    for precision in args.kernels.split(","):
+        if precision == "fp16x3":
+            from ase_tcfp32.kernels.fp16x3 import Fp16x3Backend
+
+            backends["gluon_fp16x3"] = Fp16x3Backend()
+        else:
+            backends[f"triton_{precision}"] = TritonBackend(precision)
+    if args.gluon:
+        from ase_tcfp32.kernels.gluon_gemm import GluonBackend
+
+        backends["gluon_tf32x3"] = GluonBackend()
     results = {"environment": environment(), "shapes": []}
     print(json.dumps(results["environment"]))
     head = f"{'model':5} {'atoms':>6} {'layer':26} {'M x K x N':>22} {'fp32 ms':>8}"
-    head += "".join(f" {name.removeprefix('triton_') + ' fwd/bwd x':>18}" for name in ["cublas_tf32", *backends])
+    head += "".join(f" {name + ' fwd/bwd x':>18}" for name in ["cublas_tf32", *backends])
     print(head)
     for size in args.models.split(","):
         for atoms in map(int, args.atoms.split(",")):

@@ -28,7 +28,7 @@ from ase_tcfp32.validation import water_box
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="pet-demo-chgnet", help="uPET name or checkpoint path (default: the bundled demo PET)")
-    parser.add_argument("--precision", default="auto", help="auto, fp32, tf32, tf32x3, bf16x9")
+    parser.add_argument("--precision", default="auto", help="auto, fp32, tf32, tf32x3, fp16x3, bf16x9")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if present)")
     parser.add_argument("--nvt", type=int, default=20, help="Langevin steps at 300 K")
     parser.add_argument("--nve", type=int, default=20, help="velocity Verlet steps after NVT")

@@ -168,7 +168,7 @@ def test_emulated_precision_needs_a_float32_model():
 
 
 def test_unknown_precision_lists_valid_ones(tiny_ckpt):
-    with pytest.raises(ValueError, match="unknown precision 'tf64'.*auto, fp32, tf32, tf32x3, bf16x9"):
+    with pytest.raises(ValueError, match="unknown precision 'tf64'.*auto, fp32, tf32, tf32x3, fp16x3, bf16x9"):
         TCPETCalculator(tiny_ckpt, precision="tf64")
 
 

@@ -121,11 +121,11 @@ def test_info_reports_the_gpu_and_cublas(capsys):
     assert torch.cuda.get_device_name() in out and "cuBLAS 1" in out and "auto -> " in out
 
 
-def test_auto_picks_tf32x3_on_hopper_and_ampere():
-    major, _ = torch.cuda.get_device_capability()
-    if major not in (8, 9):
-        pytest.skip("table row for 8.x / 9.x")
-    assert auto_precision("cuda")[0] == "tf32x3"
+def test_auto_picks_fp16x3_on_hopper_and_tf32x3_on_ampere():
+    cc = torch.cuda.get_device_capability()
+    if cc[0] not in (8, 9):
+        pytest.skip("table rows for 8.x / 9.x")
+    assert auto_precision("cuda")[0] == ("fp16x3" if cc == (9, 0) else "tf32x3")
 
 
 def test_cublas_bf16x9_call_reaches_cublas():
@@ -159,13 +159,16 @@ def water192():
 
 def test_calculator_modes_on_gpu(tiny_ckpt, water192):
     results = {}
-    for precision in ["fp32", "tf32", "tf32x3", "bf16x9"]:
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    precisions = ["fp32", "tf32", "tf32x3", "bf16x9"] + (["fp16x3"] if hopper else [])
+    for precision in precisions:
         atoms = water192.copy()
         atoms.calc = TCPETCalculator(tiny_ckpt, precision=precision, device="cuda")
-        assert atoms.calc.backend == ("cuBLAS SGEMM" if precision == "fp32" else "triton")
+        backend = {"fp32": "cuBLAS SGEMM", "fp16x3": "gluon"}.get(precision, "triton")
+        assert atoms.calc.backend == backend
         results[precision] = (atoms.get_potential_energy(), atoms.get_forces(), atoms.get_stress())
     e32, f32, s32 = results["fp32"]
-    for precision in ["tf32x3", "bf16x9"]:
+    for precision in precisions[2:]:
         e, f, s = results[precision]
         assert abs(e - e32) / len(water192) < 2e-6
         assert np.abs(f - f32).max() < 3e-5  # FP32 itself varies ~1e-5 here (atomic scatter-adds)
@@ -228,12 +231,15 @@ def test_systems_past_the_sdpa_grid_limit(engine):
     assert np.abs(f3 - f32).max() < 1e-3
 
 
-def test_compiled_calculator_on_gpu(tiny_ckpt, water192):
-    """torch.compile around our Triton kernels (a custom op): same forces as eager."""
+@pytest.mark.parametrize("precision", ["tf32x3", "fp16x3"])
+def test_compiled_calculator_on_gpu(tiny_ckpt, water192, precision):
+    """torch.compile around our kernels (a custom op): same forces as eager."""
+    if precision == "fp16x3" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("fp16x3 runs on Hopper")
     results = {}
     for compile in (False, True):
         atoms = water192.copy()
-        atoms.calc = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", compile=compile)
+        atoms.calc = TCPETCalculator(tiny_ckpt, precision=precision, device="cuda", compile=compile)
         results[compile] = atoms.get_potential_energy(), atoms.get_forces()
     (e0, f0), (e1, f1) = results[False], results[True]
     assert abs(e1 - e0) / len(water192) < 2e-6
@@ -264,8 +270,10 @@ def test_low_memory_lowers_the_peak_and_keeps_the_forces():
     assert np.abs(f1 - f0).max() < 1e-4  # GPU FP32 sums are not deterministic (rerun noise ~1e-5)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "tf32x3"])
+@pytest.mark.parametrize("precision", ["fp32", "tf32x3", "fp16x3"])
 def test_lean_and_graph_engines_match_metatomic_on_gpu(tiny_ckpt, water192, precision):
+    if precision == "fp16x3" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("fp16x3 runs on Hopper")
     results = {}
     for engine in ("metatomic", "lean", "graphs"):
         atoms = water192.copy()
@@ -316,3 +324,117 @@ def test_compiled_graph_engine_matches_metatomic(tiny_ckpt, water192):
         assert abs(atoms.get_potential_energy() - reference.get_potential_energy()) / len(atoms) < 2e-6
         assert np.abs(atoms.get_forces() - reference.get_forces()).max() < 3e-5
 
+
+@pytest.fixture(scope="module")
+def gluon_backend():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is written for Hopper (sm_90)")
+    from ase_tcfp32.kernels.gluon_gemm import GluonBackend
+
+    return GluonBackend()
+
+
+GLUON_CONFIGS = {
+    "default": None,
+    "plain": dict(BM=128, BN=128, BK=32, STAGES=3, GROUP_M=8, num_warps=8, WS=False),
+    "ws-bk16": dict(BM=128, BN=128, BK=16, STAGES=6, GROUP_M=8, num_warps=8, WS=True),
+}
+
+
+@pytest.mark.parametrize("config", GLUON_CONFIGS)
+@pytest.mark.parametrize("shape", [(1003, 17, 33), (4099, 128, 384), (5000, 256, 768), (20_000, 33, 130), (70_000, 512, 256)])
+def test_gluon_tf32x3_matches_fp64(gluon_backend, shape, config):
+    """Ragged M, K and N edges (TMA zero-fill and clipped stores), bias, the backward;
+    error bounds of :func:`test_fp16x3_kernel_matches_fp64`."""
+    from ase_tcfp32.kernels import gluon_gemm
+
+    config = GLUON_CONFIGS[config] or gluon_gemm.CONFIG
+    m, k, n = shape
+    g = torch.Generator(device="cuda").manual_seed(m + k + n)
+    x = torch.randn(m, k, device="cuda", generator=g)
+    w = torch.randn(n, k, device="cuda", generator=g)
+    b = torch.randn(n, device="cuda", generator=g)
+    prepared = gluon_backend.prepare(w)
+    exact = x.double() @ w.double().T + b.double()
+    gy = torch.randn(m, n, device="cuda", generator=g)
+    exact_dx = gy.double() @ w.double()
+    y, dx = gluon_gemm.launch(x, prepared.forward, b, config), gluon_gemm.launch(gy, prepared.backward, None, config)
+    for err, fp32, depth in [(rel_error(y, exact), rel_error(x @ w.T + b, exact), k), (rel_error(dx, exact_dx), rel_error(gy @ w, exact_dx), n)]:
+        assert err <= (1.2 * fp32 if depth >= 256 else max(2 * fp32, 2.0**-22)), (err, fp32)
+
+
+def test_gluon_tf32x3_inf_nan_propagate_like_torch(gluon_backend):
+    x = torch.randn(4096, 64, device="cuda")
+    w = torch.randn(128, 64, device="cuda")
+    x[3, 5], x[7, 9], x[11, 0] = float("inf"), float("-inf"), float("nan")
+    y = gluon_backend.forward(x, gluon_backend.prepare(w), None)
+    expected = x @ w.T
+    assert torch.equal(torch.isnan(y), torch.isnan(expected))
+    assert torch.equal(torch.isinf(y), torch.isinf(expected))
+
+
+FP16X3_CONFIGS = {"bk32": dict(BK=32, STAGES=4), "bk64": dict(BK=64, STAGES=3)}
+
+
+@pytest.fixture(scope="module")
+def fp16x3():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the fp16x3 kernel is written for Hopper (sm_90)")
+    from ase_tcfp32.kernels import fp16x3
+
+    return fp16x3
+
+
+@pytest.mark.parametrize("data", ["normal", "wide"])
+@pytest.mark.parametrize("shape", [(1003, 17, 33), (4099, 128, 384), (5000, 256, 768), (20_000, 33, 130), (70_000, 512, 256)])
+@pytest.mark.parametrize("config", FP16X3_CONFIGS)
+def test_fp16x3_kernel_matches_fp64(fp16x3, config, shape, data):
+    """Ragged shapes (TMA zero-fill, masked stores), forward with bias and backward.
+    ``wide``: every row of x and of w scaled by its own power of ten (1e-15 ... 1e15),
+    every third row of x spread over e^(+-9). Error vs FP64: at most cuBLAS FP32's when
+    the contraction is 256 or longer (1.25x on wide data); on shorter ones at most twice
+    cuBLAS FP32's or 4 units of FP32 roundoff (2^-22): the tensor cores truncate the sums
+    of each K-tile's accumulator (measured up to 3x cuBLAS FP32 at K = 17)."""
+    config = dict(fp16x3.CONFIG, **FP16X3_CONFIGS[config])
+    m, k, n = shape
+    g = torch.Generator(device="cuda").manual_seed(m + k + n)
+    x = torch.randn(m, k, device="cuda", generator=g)
+    w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
+    if data == "wide":
+        x *= 10.0 ** torch.randint(-15, 15, (m, 1), device="cuda", generator=g)
+        x[::3] *= torch.exp(3 * torch.randn(x[::3].shape, device="cuda", generator=g))
+        w *= 10.0 ** torch.randint(-15, 15, (n, 1), device="cuda", generator=g)
+    b = torch.randn(n, device="cuda", generator=g) * w.abs().amax(1)
+    gy = torch.randn(m, n, device="cuda", generator=g)
+    exact, exact_dx = x.double() @ w.double().T + b.double(), gy.double() @ w.double()
+    y = fp16x3.launch(x, fp16x3.split_weight(w), b, config)
+    dx = fp16x3.launch(gy, fp16x3.split_weight(w.T.contiguous()), None, config)
+    for err, fp32, depth in [(rel_error(y, exact), rel_error(x @ w.T + b, exact), k), (rel_error(dx, exact_dx), rel_error(gy @ w, exact_dx), n)]:
+        if depth >= 256:
+            assert err <= fp32 * (1.0 if data == "normal" else 1.25), (err, fp32)
+        else:
+            assert err <= max(2 * fp32, 2.0**-22), (err, fp32)
+
+
+def test_fp16x3_kernel_matches_the_reference_emulation(fp16x3):
+    """The kernel and the torch emulation of :mod:`reference` compute the same split
+    and products; they differ by the tensor cores' truncated sums only."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(9000, 256, device="cuda", generator=g) * 10.0 ** torch.randint(-10, 10, (9000, 1), device="cuda", generator=g)
+    w = torch.randn(384, 256, device="cuda", generator=g)
+    reference = ReferenceBackend("fp16x3")
+    y_ref = reference.forward(x, reference.prepare(w), None)
+    y = fp16x3.launch(x, fp16x3.split_weight(w))
+    exact = x.double() @ w.double().T
+    assert rel_error(y, y_ref.double()) <= rel_error(x @ w.T, exact)
+
+
+def test_fp16x3_inf_nan_propagate_like_torch(fp16x3):
+    x = torch.randn(20_000, 64, device="cuda")  # enough rows for the kernel (min_rows)
+    w = torch.randn(128, 64, device="cuda")
+    x[3, 5], x[7, 9], x[11, 0] = float("inf"), float("-inf"), float("nan")
+    expected = x @ w.T
+    backend = fp16x3.Fp16x3Backend()
+    y = backend.forward(x, backend.prepare(w), None)
+    assert torch.equal(torch.isnan(y), torch.isnan(expected))
+    assert torch.equal(torch.isinf(y), torch.isinf(expected))

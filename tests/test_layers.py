@@ -11,7 +11,7 @@ from ase_tcfp32 import EmulationWarning, TCLinear, TCPETCalculator, restore_line
 from ase_tcfp32.layers import MIN_EMULATED_K
 from ase_tcfp32.models import load_pet
 
-EMULATED = ["tf32x3", "bf16x9"]
+EMULATED = ["tf32x3", "fp16x3", "bf16x9"]
 UNIT = 2.0**-24
 
 
@@ -40,12 +40,27 @@ def test_error_bound_holds_for_every_shape(precision, m, k, n, seed):
 @settings(max_examples=25, deadline=None)
 @given(m=st.integers(16, 96), k=st.integers(MIN_EMULATED_K, 2048), n=st.integers(16, 96), seed=st.integers(0, 2**16))
 def test_error_vs_fp64_is_fp32_level(m, k, n, seed):
-    """TF32x3 within 2x of torch FP32's own error, BF16x9 no worse (K >= 16, >= 256 outputs)."""
+    """TF32x3 and FP16x3 within 2x of torch FP32's own error, BF16x9 no worse (K >= 16,
+    >= 256 outputs)."""
     x, w, _ = operands(m, k, n, seed)
     exact = x.double() @ w.double().T
     fp32 = rel_error(x @ w.T, exact)
     assert rel_error(tc_linear(x, w, None, "tf32x3"), exact) <= 2 * fp32
+    assert rel_error(tc_linear(x, w, None, "fp16x3"), exact) <= 2 * fp32
     assert rel_error(tc_linear(x, w, None, "bf16x9"), exact) <= fp32
+
+
+def test_fp16x3_keeps_fp32_range_row_by_row():
+    """Rows of x and w from 1e-30 to 1e30 (FP16 alone spans 6e-8 ... 65504): the per-row
+    powers of two keep FP32-level error on every output."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 300, generator=g) * 10.0 ** torch.randint(-30, 30, (64, 1), generator=g)
+    w = torch.randn(48, 300, generator=g) * 10.0 ** torch.randint(-8, 8, (48, 1), generator=g)
+    exact = x.double() @ w.double().T
+    y = tc_linear(x, w, None, "fp16x3")
+    scale = x.double().abs() @ w.double().abs().T
+    assert torch.all((y.double() - exact).abs() <= 304 * 2.0**-22 * scale)
+    assert rel_error(y, exact) <= 2 * rel_error(x @ w.T, exact)
 
 
 def test_single_pass_tf32_is_tf32_accurate_only():
@@ -54,7 +69,7 @@ def test_single_pass_tf32_is_tf32_accurate_only():
     assert 1e-5 < error < 2e-3
 
 
-@pytest.mark.parametrize("precision", ["tf32", "tf32x3", "bf16x9"])
+@pytest.mark.parametrize("precision", ["tf32", "tf32x3", "fp16x3", "bf16x9"])
 def test_inf_and_nan_propagate_like_torch(precision):
     x, w, b = operands(6, 40, 5, 1)
     x[0, 3] = float("inf")
@@ -151,6 +166,7 @@ def test_unknown_precision_in_swap_is_rejected():
 BOUNDS = {  # |E - E_fp32| / atom (eV), max |F - F_fp32| (eV/Å), on the tiny random PET
     "tf32": (1e-3, 1e-2),
     "tf32x3": (2e-6, 5e-6),
+    "fp16x3": (2e-6, 5e-6),
     "bf16x9": (2e-6, 5e-6),
 }
 

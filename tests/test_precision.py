@@ -19,7 +19,7 @@ def fake_gpu(monkeypatch):
 
 @pytest.mark.parametrize(
     "cc,expected",
-    [((7, 0), "fp32"), ((7, 5), "fp32"), ((8, 0), "tf32x3"), ((8, 9), "tf32x3"), ((9, 0), "tf32x3"),
+    [((7, 0), "fp32"), ((7, 5), "fp32"), ((8, 0), "tf32x3"), ((8, 9), "tf32x3"), ((9, 0), "fp16x3"),
      ((10, 0), "bf16x9"), ((10, 3), "bf16x9"), ((12, 0), "fp32")],
 )  # fmt: skip
 def test_auto_selection_table(fake_gpu, cc, expected):
@@ -43,16 +43,32 @@ def test_precision_the_gpu_cannot_run_is_a_clear_error(fake_gpu):
 def test_backends_per_generation(fake_gpu):
     fake_gpu((9, 0))
     assert support("bf16x9", "cuda").backend == "triton"
+    assert support("fp16x3", "cuda").backend == "gluon"
     fake_gpu((10, 0))
     assert support("bf16x9", "cuda").backend == "cuBLAS BF16x9"
     assert support("tf32x3", "cuda").backend == "triton"
+
+
+def test_hopper_without_gluon_falls_back_to_tf32x3(fake_gpu, monkeypatch):
+    fake_gpu((9, 0))
+    monkeypatch.setattr(precision_module, "_has_gluon", lambda: False)
+    assert auto_precision("cuda")[0] == "tf32x3"
+    with pytest.raises(UnsupportedPrecisionError, match="Gluon"):
+        resolve_precision("fp16x3", "cuda")
+
+
+@pytest.mark.parametrize("cc", [(8, 0), (8, 9), (10, 0)])
+def test_fp16x3_outside_hopper_is_a_clear_error(fake_gpu, cc):
+    fake_gpu(cc)
+    with pytest.raises(UnsupportedPrecisionError, match=r"fp16x3 has a kernel for Hopper \(compute capability 9.0\) only"):
+        resolve_precision("fp16x3", "cuda")
 
 
 def test_available_precisions_lists_every_mode_on_cpu():
     rows = available_precisions("cpu")
     assert [r.precision for r in rows] == list(PRECISIONS)
     assert all(r.available for r in rows)
-    assert [r.backend for r in rows] == ["CPU BLAS", "reference", "reference", "reference"]
+    assert [r.backend for r in rows] == ["CPU BLAS", "reference", "reference", "reference", "reference"]
 
 
 def test_ieee_guard_restores_the_callers_setting():

@@ -5,6 +5,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from ase_tcfp32.kernels import round_tf32, split_bf16x3, split_tf32
+from ase_tcfp32.kernels.split import scale_rows, split_fp16
 
 normal_floats = st.floats(
     allow_nan=False, allow_infinity=False, width=32
@@ -65,3 +66,21 @@ def test_special_values_give_special_hi_words():
 def test_nan_payloads_stay_nan():
     raw = torch.tensor([0x7F800001, 0x7FC00000, -1], dtype=torch.int32).view(torch.float32)
     assert torch.isnan(round_tf32(raw)).all()
+
+
+def test_fp16x3_scaling_puts_each_row_maximum_at_the_top_of_fp16():
+    x = torch.randn(7, 50) * torch.tensor([1e-30, 1e-20, 1.0, 3e4, 1e30, 0.0, 1e-40])[:, None]
+    scaled, down = scale_rows(x)
+    top = scaled.abs().amax(1)
+    assert torch.all((top[:5] >= 2.0**14) & (top[:5] < 2.0**15)) and top[5] == 0
+    assert 0 < top[6] < 2.0**14  # subnormal rows: the power of two stops at 2^126
+    assert torch.equal(scaled * down[:, None], x)  # powers of two: exact
+    hi, lo = split_fp16(scaled)
+    assert torch.equal(hi, hi.half().float()) and torch.equal(lo, lo.half().float())
+    assert torch.all((hi + lo - scaled).abs() <= 2.0**-23 * scaled.abs() + 2.0**-25)
+
+
+def test_fp16_split_of_special_values():
+    hi, lo = split_fp16(torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0]))
+    assert hi[0] == float("inf") and hi[1] == -float("inf") and torch.isnan(hi[2]) and hi[3] == 0
+    assert torch.equal(lo, torch.zeros(4))

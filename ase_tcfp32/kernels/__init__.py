@@ -47,6 +47,10 @@ def get_backend(precision: str, device: torch.device, emulate: str | None = None
         from .triton_gemm import TritonBackend
 
         return TritonBackend(precision)
+    if backend == "gluon":
+        from .fp16x3 import Fp16x3Backend
+
+        return Fp16x3Backend()
     if backend == "cuBLAS BF16x9":
         from .cublas import CublasBF16x9Backend
 

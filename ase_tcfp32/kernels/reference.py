@@ -8,6 +8,10 @@ accumulator that runs over all of K and is added at the end. The corrections of
 Inf inputs are dropped (they would be NaN); NaN inputs keep theirs, so results carry
 Inf/NaN like an FP32 matmul. Weights holding Inf/NaN are multiplied in plain FP32.
 
+fp16x3 (:func:`emulated_fp16x3_mm`) scales each row of the weight once, and each row of
+x per K-block, by a power of two, splits both into two FP16 words, and forms the three
+word products of a K-block in one fresh accumulator that joins the FP32 sum scaled back.
+
 The one way this differs from the hardware: a tensor core adds the products of a
 k-chunk with its own fixed-point alignment and truncation (see ``ase_tcfp32.tcmodel``),
 while here every product (exact in FP32) is summed with IEEE FP32 arithmetic. The
@@ -21,7 +25,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .split import round_tf32, split_bf16x3, split_tf32, truncate_tf32
+from .split import round_tf32, scale_rows, split_bf16x3, split_fp16, split_tf32, truncate_tf32
 
 Words = tuple[torch.Tensor, ...]
 
@@ -75,6 +79,27 @@ def emulated_mm(x: torch.Tensor, w_words: Words, scheme: Scheme, block_k: int = 
     return out + small if scheme.small else out
 
 
+def fp16x3_words(w: torch.Tensor) -> Words:
+    """``(hi, lo, down)``: the FP16 words of ``w`` [N, K] scaled per row, and ``down`` [N]
+    (``2^-a``) that undoes the scaling."""
+    scaled, down = scale_rows(w)
+    return (*split_fp16(scaled), down)
+
+
+def emulated_fp16x3_mm(x: torch.Tensor, w_words: Words, block_k: int = 32) -> torch.Tensor:
+    """``x @ w.T`` in fp16x3 for FP32 ``x`` [M, K] and :func:`fp16x3_words` of ``w``."""
+    w_hi, w_lo, w_down = w_words
+    out = x.new_zeros(x.shape[0], w_hi.shape[0])
+    for k0 in range(0, x.shape[1], block_k):
+        cols = slice(k0, k0 + block_k)
+        scaled, down = scale_rows(x[:, cols])
+        hi, lo = split_fp16(scaled)
+        hi_c = torch.where(torch.isinf(hi), 0.0, hi)  # Inf inputs drop their corrections
+        tile = lo @ w_hi[:, cols].T + hi_c @ w_lo[:, cols].T + hi @ w_hi[:, cols].T
+        out += tile * down[:, None]
+    return out * w_down
+
+
 class SplitWeight(NamedTuple):
     """A weight [N, K] and the words of it and of its transpose."""
 
@@ -89,7 +114,11 @@ class ReferenceBackend:
     name = "reference"
 
     def __init__(self, precision: str):
-        self.scheme = SCHEMES[precision]
+        if precision == "fp16x3":
+            self.words, self.mm = fp16x3_words, emulated_fp16x3_mm
+        else:
+            scheme = SCHEMES[precision]
+            self.words, self.mm = scheme.words, lambda x, words: emulated_mm(x, words, scheme)
 
     def prepare(self, weight: torch.Tensor) -> SplitWeight:
         """Words of ``weight`` [N, K] for the forward and of its transpose for dX (none
@@ -97,15 +126,15 @@ class ReferenceBackend:
         weight = weight.detach()
         if not torch.isfinite(weight).all():
             return SplitWeight(weight, None, None)
-        return SplitWeight(weight, self.scheme.words(weight), self.scheme.words(weight.T.contiguous()))
+        return SplitWeight(weight, self.words(weight), self.words(weight.T.contiguous()))
 
     def forward(self, x: torch.Tensor, prepared: SplitWeight, bias: torch.Tensor | None) -> torch.Tensor:
         if prepared.forward is None:
             return torch.nn.functional.linear(x, prepared.weight, bias)
-        y = emulated_mm(x, prepared.forward, self.scheme)
+        y = self.mm(x, prepared.forward)
         return y if bias is None else y + bias
 
     def grad_input(self, grad_y: torch.Tensor, prepared: SplitWeight) -> torch.Tensor:
         if prepared.backward is None:
             return grad_y @ prepared.weight
-        return emulated_mm(grad_y, prepared.backward, self.scheme)
+        return self.mm(grad_y, prepared.backward)

@@ -10,6 +10,13 @@ trailing zero bits), so any FP32 GEMM can consume them. Rounding that overflows 
 finite ``x`` to infinity falls back to truncation, so finite inputs never produce
 infinite words. Inf and NaN inputs give an Inf/NaN ``hi`` and NaN lower words; the
 GEMMs drop NaN corrections so that results propagate Inf/NaN like an FP32 matmul.
+
+``scale_rows(x) -> (scaled, down)`` and ``split_fp16(scaled) -> (hi, lo)`` are the fp16x3
+split: each row scaled by the power of two ``2^a`` that brings its maximum magnitude into
+[2^14, 2^15) (the top of FP16's range; ``down = 2^-a``), then ``hi`` = FP16 nearest-even
+and ``lo`` = the remainder rounded to FP16. ``hi + lo`` is ``x * 2^a`` to 2^-23 relative
+to each element; elements more than 2^17 below the row maximum keep less of ``lo``, but what they
+lose is below 2^-38 of the row maximum.
 """
 
 from __future__ import annotations
@@ -62,3 +69,22 @@ def split_bf16x3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     mid = _round_bf16(rest)
     lo = _round_bf16(rest - mid)
     return hi, mid, lo
+
+
+def scale_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x * 2^a, 2^-a)`` for FP32 ``x`` [R, K], with one power of two per row that puts
+    the row's largest magnitude in [2^14, 2^15); ``a`` is clamped to [-126, 126] (zero,
+    subnormal and Inf/NaN rows)."""
+    amax = x.abs().amax(1) if x.shape[1] else x.new_zeros(x.shape[0])
+    exponent = (amax.contiguous().view(torch.int32) >> 23) & 0xFF
+    a = (141 - exponent).clamp(-126, 126)
+    one = torch.ones_like(amax)
+    return x * torch.ldexp(one, a)[:, None], torch.ldexp(one, -a)
+
+
+def split_fp16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hi, lo)``: FP16 ``hi`` (nearest even) of FP32 ``x`` within FP16's range, and the
+    remainder ``lo`` rounded to FP16, as FP32 tensors; ``lo`` is 0 where ``x`` is Inf/NaN."""
+    hi = x.half().float()
+    rest = x - hi
+    return hi, torch.where(torch.isnan(rest), 0.0, rest).half().float()

@@ -1,0 +1,236 @@
+"""fp16x3 GEMM for Hopper (sm_90) in Gluon: FP32-accurate products on FP16 tensor cores.
+
+``y[M, N] = x[M, K] @ w[N, K]^T (+ bias)``, each FP32 operand written as ``2^-a (hi + lo)``
+with FP16 words ``hi``, ``lo`` and one power of two ``2^a`` per row (of ``w`` once, of
+``x`` per K-tile) that puts the row's maximum at the top of FP16's range
+(:func:`ase_tcfp32.kernels.split.scale_rows`). Per K-tile, ``lo*w_hi + hi*w_lo +
+hi*w_hi`` (lo*lo dropped) go into a fresh tensor-core accumulator, which joins the FP32
+sum with one multiply-add by the rows' ``2^-a``; the weight's scale is undone at the end.
+FP16 tensor cores run twice as fast as TF32 ones, so the three products cost what 1.5
+TF32 passes would; the per-row scaling keeps FP32's exponent range.
+
+Measured on H200 (``benchmarks/gemm.py``, ``docs/performance.md``): 2.0-2.6x cuBLAS FP32
+on the 17,280-atom PET-S layers and 2.05-2.8x on PET-M, forward and backward, at 0.2-0.4x
+its error vs FP64; the Triton tf32x3 kernel 1.6-2.1x in the same run. The kernel is persistent and warp
+specialised: a TMA producer warp streams x (FP32) and the weight's words through a ring,
+while two consumer warpgroups split x in registers and issue asynchronous wgmma groups,
+one K-tile ahead of the FP32 sum.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from .gluon_gemm import descriptor, tile_offsets
+from .split import scale_rows, split_fp16
+from .triton_gemm import min_rows
+
+
+@gluon.jit
+def _pow2_scales(amax):
+    """``(2^a, 2^-a)`` per row that bring the row maximum ``amax`` into [2^14, 2^15), the
+    top of FP16's range (``a`` clamped to [-126, 126]: zero rows, subnormals, Inf/NaN)."""
+    exponent = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
+    a = gl.minimum(gl.maximum(141 - exponent, -126), 126)
+    return ((a + 127) << 23).to(gl.float32, bitcast=True), ((127 - a) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _fp16x3_k_tile(x_s, hi_s, lo_s, zero, a_layout: gl.constexpr):
+    """One K-tile of fp16x3, issued as asynchronous wgmma groups into a fresh accumulator:
+    ``x = 2^-a (x_hi + x_lo)`` in FP16 with a per-row power of two ``2^a``, and
+    ``x_lo w_hi + x_hi w_lo + x_hi w_hi``. Returns the tile, ``2^-a`` and the A words
+    (kept alive while the products run). Inf inputs drop their corrections, NaN inputs
+    reach the tile through ``x_hi``."""
+    x = x_s.load(a_layout)
+    up, down = _pow2_scales(gl.max(gl.abs(x), axis=1))
+    x = x * gl.expand_dims(up, 1)
+    hi = x.to(gl.float16)
+    rest = x - hi.to(gl.float32)
+    finite = rest == rest  # x - hi is NaN exactly for Inf and NaN inputs
+    lo = gl.where(finite, rest, 0.0).to(gl.float16)
+    hi_c = gl.where(finite, hi, gl.zeros_like(hi))
+    b_hi = hi_s.permute((1, 0))
+    tile = warpgroup_mma(lo, b_hi, zero, use_acc=False, is_async=True)
+    tile = warpgroup_mma(hi_c, lo_s.permute((1, 0)), tile, is_async=True)
+    tile = warpgroup_mma(hi, b_hi, tile, is_async=True)
+    return tile, gl.convert_layout(down, gl.SliceLayout(1, zero.type.layout)), hi, lo, hi_c
+
+
+@gluon.jit
+def _loader(x_desc, hi_desc, lo_desc, xs, his, los, ready, empty, M, N, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """Producer warp: the K-tiles of this program's output tiles, one after another
+    through the ring (the next tile's loads overlap the consumers' epilogue)."""
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    BN: gl.constexpr = hi_desc.block_type.shape[0]
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + 2 * hi_desc.block_type.nbytes
+    num_k = gl.cdiv(x_desc.shape[1], BK)
+    it = 0
+    for tile in range(gl.program_id(0), gl.cdiv(M, BM) * gl.cdiv(N, BN), gl.num_programs(0)):
+        off_m, off_n = tile_offsets(M, N, BM, BN, GROUP_M, tile)
+        for ki in range(num_k):
+            s = it % STAGES
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+            mbarrier.expect(ready.index(s), nbytes)
+            tma.async_copy_global_to_shared(x_desc, [off_m, ki * BK], ready.index(s), xs.index(s))
+            tma.async_copy_global_to_shared(hi_desc, [off_n, ki * BK], ready.index(s), his.index(s))
+            tma.async_copy_global_to_shared(lo_desc, [off_n, ki * BK], ready.index(s), los.index(s))
+            it += 1
+
+
+@gluon.jit
+def _fp16x3_consumer(
+    xs, his, los, ready, empty, y_ptr, scale_ptr, bias_ptr, M, N, num_k, stride_ym,
+    HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """Consumer warpgroups: for each output tile the K loop of :func:`_fp16x3_k_tile`, where
+    each K-tile's accumulator joins the FP32 sum (times its rows' ``2^-a``) while the next
+    K-tile's products run; then ``acc * scale (+ bias)`` stored from registers."""
+    BM: gl.constexpr = xs.shape[1]
+    BK: gl.constexpr = xs.shape[2]
+    BN: gl.constexpr = his.shape[1]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    rows_layout: gl.constexpr = gl.SliceLayout(1, mma)
+    cols_layout: gl.constexpr = gl.SliceLayout(0, mma)
+    zero = gl.zeros((BM, BN), gl.float32, mma)
+    it = 0
+    for tile in range(gl.program_id(0), gl.cdiv(M, BM) * gl.cdiv(N, BN), gl.num_programs(0)):
+        off_m, off_n = tile_offsets(M, N, BM, BN, GROUP_M, tile)
+        acc = zero
+        prev = zero
+        prev_down = gl.zeros((BM,), gl.float32, rows_layout)
+        for ki in range(num_k):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            tile_acc, down, hi, lo, hi_c = _fp16x3_k_tile(xs.index(s), his.index(s), los.index(s), zero, a_layout)
+            prev, tile_acc, hi, lo, hi_c = warpgroup_mma_wait(num_outstanding=3, deps=(prev, tile_acc, hi, lo, hi_c))
+            acc = acc + prev * gl.expand_dims(prev_down, 1)
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=ki > 0)
+            prev = tile_acc
+            prev_down = down
+            it += 1
+        prev = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+        acc = acc + prev * gl.expand_dims(prev_down, 1)
+        rows = off_m + gl.arange(0, BM, layout=rows_layout)
+        cols = off_n + gl.arange(0, BN, layout=cols_layout)
+        acc = acc * gl.expand_dims(gl.load(scale_ptr + cols, mask=cols < N, other=0.0), 0)
+        if HAS_BIAS:
+            acc = acc + gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0), 0)
+        mask = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
+        gl.store(y_ptr + gl.expand_dims(rows.to(gl.int64) * stride_ym, 1) + gl.expand_dims(cols, 0), acc, mask=mask)
+
+
+@gluon.jit
+def _fp16x3_kernel(
+    x_desc, hi_desc, lo_desc, y_ptr, scale_ptr, bias_ptr, M, N, stride_ym,
+    HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """``y = (x @ w^T) * scale (+ bias)``: one program per SM walks the output tiles; a
+    producer warp streams their K-tiles (x in FP32, the weight's FP16 words) through a
+    ``STAGES``-deep TMA ring, two consumer warpgroups compute and store."""
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BN: gl.constexpr = hi_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    xs = gl.allocate_shared_memory(gl.float32, [STAGES, BM, BK], x_desc.layout)
+    his = gl.allocate_shared_memory(gl.float16, [STAGES, BN, BK], hi_desc.layout)
+    los = gl.allocate_shared_memory(gl.float16, [STAGES, BN, BK], lo_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    num_k = gl.cdiv(x_desc.shape[1], BK)
+    gl.warp_specialize(
+        [(_fp16x3_consumer, (xs, his, los, ready, empty, y_ptr, scale_ptr, bias_ptr, M, N, num_k, stride_ym,
+                              HAS_BIAS, GROUP_M, STAGES, num_warps)),
+         (_loader, (x_desc, hi_desc, lo_desc, xs, his, los, ready, empty, M, N, GROUP_M, STAGES))],
+        [1], [24],
+    )  # fmt: skip
+
+
+CONFIG = dict(BM=128, BN=128, BK=32, STAGES=4, GROUP_M=8, num_warps=8)
+"""Tile shape and pipeline depth (4 stages of 32 KiB): the most even of the measured
+variants (BK=64 with 3 stages: 1.97-2.25x)."""
+
+
+class Words(NamedTuple):
+    """One direction of a weight [N, K] for fp16x3: FP16 words [2, N, KP] of the
+    row-scaled weight, the scales ``2^-b`` [N] that undo it, and the smallest M that
+    runs the kernel (fewer rows go to cuBLAS FP32, see :func:`triton_gemm.min_rows`)."""
+
+    words: torch.Tensor
+    scale: torch.Tensor
+    min_rows: int
+
+
+class Prepared(NamedTuple):
+    """A weight [N, K] split once, for y = x w^T (forward) and dx = dy w (backward);
+    no words when the weight holds Inf/NaN (then both run cuBLAS FP32)."""
+
+    weight: torch.Tensor
+    forward: Words | None
+    backward: Words | None
+
+
+def split_weight(w: torch.Tensor) -> Words:
+    """The fp16x3 words of a finite FP32 weight [N, K] (K padded to 16-byte rows)."""
+    n, k = w.shape
+    scaled, down = scale_rows(w)
+    words = torch.stack(split_fp16(scaled)).half()
+    words = torch.nn.functional.pad(words, (0, triton.cdiv(k, 8) * 8 - k)).contiguous()
+    return Words(words, down.contiguous(), min_rows(n, k, w.device))
+
+
+def launch(x: torch.Tensor, w: Words, bias: torch.Tensor | None = None, config: dict = CONFIG) -> torch.Tensor:
+    """``x [M, K] @ w^T (+ bias)`` as [M, N], on the GPU whatever M is."""
+    m, k = x.shape
+    _, n, kp = w.words.shape
+    y = torch.empty((m, n), device=x.device, dtype=torch.float32)
+    if m == 0 or k == 0:
+        return y.zero_() if bias is None or m == 0 else y.copy_(bias.expand(m, n))
+    bm, bn, bk = config["BM"], config["BN"], config["BK"]
+    if k % 4:  # TMA needs 16-byte rows: pad K with zeros (they add nothing)
+        x = torch.nn.functional.pad(x, (0, kp - k))
+    elif x.stride(1) != 1 or (x.stride(0) * 4) % 16 or x.data_ptr() % 16:
+        x = x.contiguous()
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    _fp16x3_kernel[(min(tiles, sms),)](
+        descriptor(x, [bm, bk]), descriptor(w.words[0], [bn, bk]), descriptor(w.words[1], [bn, bk]),
+        y, w.scale, bias if bias is not None else y, m, n, y.stride(0),
+        HAS_BIAS=bias is not None, STAGES=config["STAGES"], GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
+    )  # fmt: skip
+    return y
+
+
+class Fp16x3Backend:
+    """fp16x3 on Hopper through :func:`launch`, with the layer interface of every backend;
+    GEMMs too small to fill the GPU and weights holding Inf/NaN run cuBLAS FP32."""
+
+    name = "gluon"
+    precision = "fp16x3"
+
+    def prepare(self, weight: torch.Tensor) -> Prepared:
+        weight = weight.detach().float().contiguous()
+        if not torch.isfinite(weight).all():
+            return Prepared(weight, None, None)
+        return Prepared(weight, split_weight(weight), split_weight(weight.T.contiguous()))
+
+    def forward(self, x: torch.Tensor, prepared: Prepared, bias: torch.Tensor | None) -> torch.Tensor:
+        if prepared.forward is None or x.shape[0] < prepared.forward.min_rows:
+            return torch.nn.functional.linear(x, prepared.weight, bias)
+        return launch(x, prepared.forward, None if bias is None else bias.detach().contiguous())
+
+    def grad_input(self, grad_y: torch.Tensor, prepared: Prepared) -> torch.Tensor:
+        if prepared.backward is None or grad_y.shape[0] < prepared.backward.min_rows:
+            return grad_y @ prepared.weight
+        return launch(grad_y, prepared.backward)

@@ -1,0 +1,88 @@
+"""Compile our tf32x3 kernels for sm_90 without a GPU and report their structure.
+
+    python benchmarks/compile_sm90.py      # needs Triton (3.6 is what the H200 runs)
+
+For the production Triton kernel, the Gluon tf32x3 kernels and the fp16x3 kernel: wgmma instructions
+and ``wgmma.wait_group`` values in the PTX (how often the tensor cores are waited for per
+K-tile), registers and spilled bytes from ``ptxas -v``, and shared memory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+
+from ase_tcfp32.kernels import fp16x3, gluon_gemm, triton_gemm
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def structure(kernel) -> str:
+    ptx = kernel.asm["ptx"]
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    log = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True).stderr
+    os.unlink(f.name)
+    waits = re.findall(r"wgmma.wait_group.sync.aligned (\d+)", ptx)
+    regs = re.findall(r"Used (\d+) registers", log)
+    spills = re.findall(r"(\d+) bytes spill stores", log)
+    return f"wgmma={ptx.count('wgmma.mma_async')} waits={waits} registers={regs} spill_bytes={spills} smem={kernel.metadata.shared}"
+
+
+def gluon_descriptor(block: list[int], dtype: str = "fp32") -> str:
+    layout = gl.NVMMASharedLayout.get_default_for(block, {"fp32": gl.float32, "fp16": gl.float16}[dtype])
+    return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
+
+
+def main() -> None:
+    c = triton_gemm.tile_config(768, 256)
+    bm, bn, bk = c["BM"], c["BN"], c["BK"]
+    signature = {
+        "x_ptr": "*fp32", "x_desc": f"tensordesc<fp32[{bm}, {bk}]>", "w_ptr": "*fp32", "w_desc": f"tensordesc<fp32[{bn}, {bk}]>",
+        "bias_ptr": "*fp32", "y_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "KP": "i32", "stride_xm": "i32",
+        "stride_ym": "i32", "WORDS": "constexpr", "TMA": "constexpr", "HAS_BIAS": "constexpr", "BM": "constexpr",
+        "BN": "constexpr", "BK": "constexpr", "GROUP_M": "constexpr",
+    }  # fmt: skip
+    constants = dict(WORDS=2, TMA=True, HAS_BIAS=True, BM=bm, BN=bn, BK=bk, GROUP_M=c["GROUP_M"])
+    kernel = triton.compile(ASTSource(triton_gemm._linear_kernel, signature, constexprs=constants), target=TARGET,
+                            options=dict(num_warps=c["num_warps"], num_stages=c["num_stages"]))  # fmt: skip
+    print("triton tf32x3:", structure(kernel))
+
+    g = gluon_gemm.CONFIG
+    signature = {
+        "x_desc": gluon_descriptor([g["BM"], g["BK"]]), "hi_desc": gluon_descriptor([g["BN"], g["BK"]]),
+        "lo_desc": gluon_descriptor([g["BN"], g["BK"]]), "y_desc": gluon_descriptor([g["BM"], g["BN"]]),
+        "bias_ptr": "*fp32", "M": "i32", "N": "i32", "HAS_BIAS": "constexpr", "STAGES": "constexpr",
+        "GROUP_M": "constexpr", "num_warps": "constexpr",
+    }  # fmt: skip
+    for stages in (3, 4):
+        constants = dict(HAS_BIAS=True, STAGES=stages, GROUP_M=g["GROUP_M"], num_warps=g["num_warps"])
+        for name, fn in [("gluon", gluon_gemm._tf32x3_kernel), ("gluon, warp-specialised", gluon_gemm._tf32x3_ws_kernel)]:
+            kernel = triton.compile(GluonASTSource(fn, signature, constexprs=constants), target=TARGET,
+                                    options=dict(num_warps=g["num_warps"]))  # fmt: skip
+            print(f"{name}, {stages} stages:", structure(kernel))
+
+    for bk, stages in ((32, 4), (64, 3)):
+        g = dict(fp16x3.CONFIG, BK=bk, STAGES=stages)
+        signature = {
+            "x_desc": gluon_descriptor([g["BM"], bk]), "hi_desc": gluon_descriptor([g["BN"], bk], "fp16"),
+            "lo_desc": gluon_descriptor([g["BN"], bk], "fp16"), "y_ptr": "*fp32", "scale_ptr": "*fp32", "bias_ptr": "*fp32",
+            "M": "i32", "N": "i32", "stride_ym": "i32", "HAS_BIAS": "constexpr", "STAGES": "constexpr",
+            "GROUP_M": "constexpr", "num_warps": "constexpr",
+        }  # fmt: skip
+        constants = dict(HAS_BIAS=True, STAGES=stages, GROUP_M=g["GROUP_M"], num_warps=g["num_warps"])
+        kernel = triton.compile(GluonASTSource(fp16x3._fp16x3_kernel, signature, constexprs=constants), target=TARGET,
+                                options=dict(num_warps=g["num_warps"]))  # fmt: skip
+        print(f"fp16x3, BK={bk}, {stages} stages:", structure(kernel))
+
+if __name__ == "__main__":
+    main()
