@@ -27,7 +27,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .gluon_gemm import descriptor, tile_offsets
+from .gluon_gemm import descriptor, ring, tile_offsets
 from .split import scale_rows, split_fp16
 from .triton_gemm import min_rows
 
@@ -137,18 +137,8 @@ def _fp16x3_kernel(
     """``y = (x @ w^T) * scale (+ bias)``: one program per SM walks the output tiles; a
     producer warp streams their K-tiles (x in FP32, the weight's FP16 words) through a
     ``STAGES``-deep TMA ring, two consumer warpgroups compute and store."""
-    BM: gl.constexpr = x_desc.block_type.shape[0]
-    BN: gl.constexpr = hi_desc.block_type.shape[0]
-    BK: gl.constexpr = x_desc.block_type.shape[1]
-    xs = gl.allocate_shared_memory(gl.float32, [STAGES, BM, BK], x_desc.layout)
-    his = gl.allocate_shared_memory(gl.float16, [STAGES, BN, BK], hi_desc.layout)
-    los = gl.allocate_shared_memory(gl.float16, [STAGES, BN, BK], lo_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    num_k = gl.cdiv(x_desc.shape[1], BK)
+    xs, his, los, ready, empty = ring(x_desc, hi_desc, lo_desc, STAGES)
+    num_k = gl.cdiv(x_desc.shape[1], x_desc.block_type.shape[1])
     gl.warp_specialize(
         [(_fp16x3_consumer, (xs, his, los, ready, empty, y_ptr, scale_ptr, bias_ptr, M, N, num_k, stride_ym,
                               HAS_BIAS, GROUP_M, STAGES, num_warps)),

@@ -124,6 +124,25 @@ def _tf32x3_kernel(
 
 
 @gluon.jit
+def ring(x_desc, hi_desc, lo_desc, STAGES: gl.constexpr):
+    """The shared-memory ring of the warp-specialised kernels: ``STAGES`` tiles of x and of
+    the weight's two words, with a "ready" (loads landed) and an "empty" (consumers done)
+    barrier per stage."""
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    BN: gl.constexpr = hi_desc.block_type.shape[0]
+    xs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
+    his = gl.allocate_shared_memory(hi_desc.dtype, [STAGES, BN, BK], hi_desc.layout)
+    los = gl.allocate_shared_memory(lo_desc.dtype, [STAGES, BN, BK], lo_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    return xs, his, los, ready, empty
+
+
+@gluon.jit
 def _loader(x_desc, hi_desc, lo_desc, xs, his, los, ready, empty, off_m, off_n, STAGES: gl.constexpr):
     """Producer warp: TMA loads into the ring, each stage once the consumers freed it."""
     BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -169,14 +188,7 @@ def _tf32x3_ws_kernel(
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BN: gl.constexpr = hi_desc.block_type.shape[0]
     off_m, off_n = tile_offsets(M, N, BM, BN, GROUP_M)
-    xs = gl.allocate_shared_memory(gl.float32, [STAGES, BM, BK], x_desc.layout)
-    his = gl.allocate_shared_memory(gl.float32, [STAGES, BN, BK], hi_desc.layout)
-    los = gl.allocate_shared_memory(gl.float32, [STAGES, BN, BK], lo_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    xs, his, los, ready, empty = ring(x_desc, hi_desc, lo_desc, STAGES)
     num_k = gl.cdiv(x_desc.shape[1], BK)
     (acc,) = gl.warp_specialize(
         [(_consumer, (xs, his, los, ready, empty, num_k, STAGES, num_warps)),
