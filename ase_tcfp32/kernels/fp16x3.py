@@ -25,9 +25,9 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from .gluon_gemm import descriptor, ring, tile_offsets
+from .gluon_gemm import descriptor, load_stage, ring, tile_offsets
 from .split import scale_rows, split_fp16
 from .triton_gemm import min_rows
 
@@ -70,18 +70,12 @@ def _loader(x_desc, hi_desc, lo_desc, xs, his, los, ready, empty, M, N, GROUP_M:
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BN: gl.constexpr = hi_desc.block_type.shape[0]
-    nbytes: gl.constexpr = x_desc.block_type.nbytes + 2 * hi_desc.block_type.nbytes
     num_k = gl.cdiv(x_desc.shape[1], BK)
     it = 0
     for tile in range(gl.program_id(0), gl.cdiv(M, BM) * gl.cdiv(N, BN), gl.num_programs(0)):
         off_m, off_n = tile_offsets(M, N, BM, BN, GROUP_M, tile)
         for ki in range(num_k):
-            s = it % STAGES
-            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
-            mbarrier.expect(ready.index(s), nbytes)
-            tma.async_copy_global_to_shared(x_desc, [off_m, ki * BK], ready.index(s), xs.index(s))
-            tma.async_copy_global_to_shared(hi_desc, [off_n, ki * BK], ready.index(s), his.index(s))
-            tma.async_copy_global_to_shared(lo_desc, [off_n, ki * BK], ready.index(s), los.index(s))
+            load_stage(x_desc, hi_desc, lo_desc, xs, his, los, ready, empty, it, off_m, off_n, ki * BK, STAGES)
             it += 1
 
 

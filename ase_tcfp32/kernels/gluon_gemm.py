@@ -143,17 +143,23 @@ def ring(x_desc, hi_desc, lo_desc, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def load_stage(x_desc, hi_desc, lo_desc, xs, his, los, ready, empty, it, off_m, off_n, k, STAGES: gl.constexpr):
+    """The ring's ``it``-th fill: once the consumers freed its stage, TMA loads of the x tile
+    at (off_m, k) and of both weight-word tiles at (off_n, k), landing on "ready"."""
+    s = it % STAGES
+    mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+    mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + 2 * hi_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(x_desc, [off_m, k], ready.index(s), xs.index(s))
+    tma.async_copy_global_to_shared(hi_desc, [off_n, k], ready.index(s), his.index(s))
+    tma.async_copy_global_to_shared(lo_desc, [off_n, k], ready.index(s), los.index(s))
+
+
+@gluon.jit
 def _loader(x_desc, hi_desc, lo_desc, xs, his, los, ready, empty, off_m, off_n, STAGES: gl.constexpr):
     """Producer warp: TMA loads into the ring, each stage once the consumers freed it."""
     BK: gl.constexpr = x_desc.block_type.shape[1]
-    nbytes: gl.constexpr = x_desc.block_type.nbytes + 2 * hi_desc.block_type.nbytes
     for ki in range(gl.cdiv(x_desc.shape[1], BK)):
-        s = ki % STAGES
-        mbarrier.wait(empty.index(s), ((ki // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
-        mbarrier.expect(ready.index(s), nbytes)
-        tma.async_copy_global_to_shared(x_desc, [off_m, ki * BK], ready.index(s), xs.index(s))
-        tma.async_copy_global_to_shared(hi_desc, [off_n, ki * BK], ready.index(s), his.index(s))
-        tma.async_copy_global_to_shared(lo_desc, [off_n, ki * BK], ready.index(s), los.index(s))
+        load_stage(x_desc, hi_desc, lo_desc, xs, his, los, ready, empty, ki, off_m, off_n, ki * BK, STAGES)
 
 
 @gluon.jit
