@@ -27,7 +27,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from .gluon_gemm import descriptor, load_stage, ring, tile_offsets
+from .gluon_gemm import descriptor, load_stage, ring, tile_offsets, tma_ready
 from .split import scale_rows, split_fp16
 from .triton_gemm import min_rows
 
@@ -182,14 +182,10 @@ def launch(x: torch.Tensor, w: Words, bias: torch.Tensor | None = None, config: 
     if m == 0 or k == 0:
         return y.zero_() if bias is None or m == 0 else y.copy_(bias.expand(m, n))
     bm, bn, bk = config["BM"], config["BN"], config["BK"]
-    if k % 4:  # TMA needs 16-byte rows: pad K with zeros (they add nothing)
-        x = torch.nn.functional.pad(x, (0, kp - k))
-    elif x.stride(1) != 1 or (x.stride(0) * 4) % 16 or x.data_ptr() % 16:
-        x = x.contiguous()
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     _fp16x3_kernel[(min(tiles, sms),)](
-        descriptor(x, [bm, bk]), descriptor(w.words[0], [bn, bk]), descriptor(w.words[1], [bn, bk]),
+        descriptor(tma_ready(x, kp), [bm, bk]), descriptor(w.words[0], [bn, bk]), descriptor(w.words[1], [bn, bk]),
         y, w.scale, bias if bias is not None else y, m, n, y.stride(0),
         HAS_BIAS=bias is not None, STAGES=config["STAGES"], GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
     )  # fmt: skip

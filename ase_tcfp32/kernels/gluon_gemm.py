@@ -216,6 +216,17 @@ def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
+def tma_ready(x: torch.Tensor, kp: int) -> torch.Tensor:
+    """``x`` [M, K] as TMA needs it: 16-byte aligned rows, K zero-padded to ``kp`` (the
+    weight words' padded K) when K is not a multiple of 4 (zeros add nothing)."""
+    k = x.shape[1]
+    if k % 4:
+        return torch.nn.functional.pad(x, (0, kp - k))
+    if x.stride(1) != 1 or (x.stride(0) * 4) % 16 or x.data_ptr() % 16:
+        return x.contiguous()
+    return x
+
+
 def launch(x: torch.Tensor, gemm: Gemm, bias: torch.Tensor | None = None, config: dict = CONFIG) -> torch.Tensor:
     """``x [M, K] @ w^T (+ bias)`` as [M, N] with the tf32x3 words of ``gemm`` ([2, N, KP])."""
     m, k = x.shape
@@ -226,11 +237,7 @@ def launch(x: torch.Tensor, gemm: Gemm, bias: torch.Tensor | None = None, config
         y = y[:, :n]
         return y.zero_() if bias is None or m == 0 else y.copy_(bias.expand(m, n))
     bm, bn, bk = config["BM"], config["BN"], config["BK"]
-    if k % 4:  # TMA needs 16-byte rows: pad K with zeros (they add nothing)
-        x = torch.nn.functional.pad(x, (0, kp - k))
-    elif x.stride(1) != 1 or (x.stride(0) * 4) % 16 or x.data_ptr() % 16:
-        x = x.contiguous()
-    x_desc = descriptor(x, [bm, bk])
+    x_desc = descriptor(tma_ready(x, kp), [bm, bk])
     hi_desc = descriptor(gemm.words[0], [bn, bk])
     lo_desc = descriptor(gemm.words[1], [bn, bk])
     y_desc = descriptor(y, [bm, bn])
