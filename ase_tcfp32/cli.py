@@ -19,7 +19,12 @@ def _validate(args) -> None:
         return
     if args.model is None:
         raise SystemExit(f"validate {args.test} needs --model")
-    precisions = args.precisions.split(",")
+    if args.precisions is None:  # every mode this device runs, so that auto's choice is among them
+        from .precision import available_precisions
+
+        precisions = [row.precision for row in available_precisions(args.device) if row.available]
+    else:
+        precisions = args.precisions.split(",")
     for p in precisions:
         if p not in PRECISIONS:
             raise SystemExit(f"unknown precision {p!r}; valid: {', '.join(PRECISIONS)}")
@@ -87,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     validate.add_argument("test", choices=["single-point", "smoothness", "nve", "relax", "speed", "all", "report"],
                           help="a test, all of them, or 'report': report.md from the results already in --out")
     validate.add_argument("--model", help="uPET name, checkpoint path, or random:<tiny|xs|s|m>")
-    validate.add_argument("--precisions", default="fp32,tf32,tf32x3,bf16x9")
+    validate.add_argument("--precisions", default=None, help="comma-separated (default: every mode the device runs)")
     validate.add_argument("--device", default=None)
     validate.add_argument("--engine", default="metatomic", choices=ENGINES, help="the calculator's engine (docs/usage.md)")
     validate.add_argument("--out", default="validation")

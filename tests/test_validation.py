@@ -23,6 +23,7 @@ def test_builders():
 
 @pytest.fixture(scope="module")
 def quick_suite(tmp_path_factory):
+    """The quick suite with the default precisions: every mode the CPU runs."""
     out = tmp_path_factory.mktemp("validation")
     main(["validate", "all", "--model", "pet-demo-chgnet", "--quick", "--out", str(out), "--device", "cpu"])
     return out
@@ -45,13 +46,13 @@ def test_every_test_writes_json_plot_and_the_report(quick_suite):
 
 def test_single_point_fp32_accurate_modes_pass_and_tf32_does_not_meet_them(quick_suite):
     rows = rows_by_precision(load(quick_suite, "single-point")["systems"][0]["rows"])
-    assert rows["tf32x3"]["passed"] and rows["bf16x9"]["passed"]
+    assert rows["tf32x3"]["passed"] and rows["fp16x3"]["passed"] and rows["bf16x9"]["passed"]
     assert rows["tf32"]["vs_fp32_force_rms"] > 100 * rows["fp32 noise"]["vs_fp32_force_rms"]
 
 
 def test_smoothness_separates_single_pass_tf32(quick_suite):
     rows = rows_by_precision(load(quick_suite, "smoothness")["rows"])
-    assert rows["tf32x3"]["passed"] and rows["bf16x9"]["passed"]
+    assert rows["tf32x3"]["passed"] and rows["fp16x3"]["passed"] and rows["bf16x9"]["passed"]
     assert rows["tf32"]["roughness"] > 20 * rows["fp32"]["roughness"]
 
 
@@ -97,7 +98,7 @@ def test_relax_trajectories_agree_at_the_start(quick_suite):
 
 def test_speed_reports_every_precision_against_fp32(quick_suite):
     rows = rows_by_precision(load(quick_suite, "speed")["systems"][0]["rows"])
-    assert set(rows) == {"fp32", "tf32", "tf32x3", "bf16x9"}
+    assert set(rows) == {"fp32", "tf32", "tf32x3", "fp16x3", "bf16x9"}
     assert rows["fp32"]["speedup"] == 1.0 and rows["tf32x3"]["backend"] == "reference"
 
 
