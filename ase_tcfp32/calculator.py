@@ -45,8 +45,8 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 def _check_emulation(emulate: str, precision: str, device) -> None:
     tensor_core(emulate)  # an unknown GPU name fails here, listing the presets
-    if precision not in ("tf32", "tf32x3", "bf16x9"):
-        raise ValueError(f"emulate={emulate!r} needs precision 'tf32', 'tf32x3' or 'bf16x9', not {precision!r}")
+    if precision not in ("tf32", "tf32x3", "fp16x3", "bf16x9"):
+        raise ValueError(f"emulate={emulate!r} needs precision 'tf32', 'tf32x3', 'fp16x3' or 'bf16x9', not {precision!r}")
     if device is not None and torch.device(device).type != "cpu":
         raise ValueError(f"emulate={emulate!r} runs the tensor-core model on CPU; pass device='cpu' or None")
 

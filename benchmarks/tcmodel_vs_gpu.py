@@ -1,8 +1,9 @@
-"""Does the tensor-core model predict our Triton kernels' bits on this GPU?
+"""Does the tensor-core model predict our kernels' bits on this GPU?
 
     python benchmarks/tcmodel_vs_gpu.py [--gpu-model H100] [--out FILE.json]
 
-Runs each kernel on the GPU (directly: no small-GEMM dispatch to cuBLAS) and the model
+Runs each kernel on the GPU (directly: no small-GEMM dispatch to cuBLAS; fp16x3 on Hopper
+only) and the model
 of ``--gpu-model`` (and of A100, for contrast) on the CPU with the same inputs; prints
 the share of bit-identical outputs and the largest difference in units of the last place.
 """
@@ -17,6 +18,16 @@ from ase_tcfp32.kernels.triton_gemm import TritonBackend, launch
 from ase_tcfp32.tcmodel import emulated_matmul
 
 
+def run_kernel(x: np.ndarray, w: np.ndarray, precision: str) -> np.ndarray:
+    """``x @ w.T`` by our kernel for ``precision`` on the GPU, whatever the size."""
+    x, w = torch.from_numpy(x).cuda(), torch.from_numpy(w).cuda()
+    if precision == "fp16x3":
+        from ase_tcfp32.kernels import fp16x3
+
+        return fp16x3.launch(x, fp16x3.split_weight(w)).cpu().numpy()
+    return launch(x, TritonBackend(precision).gemm(w)).cpu().numpy()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu-model", default="H100")
@@ -27,9 +38,9 @@ def main() -> None:
     for m, k, n in [(256, 256, 128), (300, 520, 136)]:
         x = rng.standard_normal((m, k)).astype(np.float32)
         w = rng.standard_normal((n, k)).astype(np.float32)
-        for precision in ("tf32", "tf32x3", "bf16x9"):
-            gemm = TritonBackend(precision).gemm(torch.from_numpy(w).cuda())
-            gpu = launch(torch.from_numpy(x).cuda(), gemm).cpu().numpy()
+        precisions = ["tf32", "tf32x3", "bf16x9"] + (["fp16x3"] if torch.cuda.get_device_capability() == (9, 0) else [])
+        for precision in precisions:
+            gpu = run_kernel(x, w, precision)
             for model in (args.gpu_model, "A100"):
                 predicted = emulated_matmul(x, w, precision, model)
                 same = float(np.mean(predicted.view(np.uint32) == gpu.view(np.uint32)))

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -228,6 +229,31 @@ def test_emulated_tf32x3_is_fp32_level_and_differs_between_generations():
     assert np.linalg.norm(single - exact) / np.linalg.norm(exact) > 100 * fp32_err
 
 
+def test_emulated_fp16x3_follows_the_kernel_and_keeps_fp32_range():
+    """fp16x3 on the H100 model: FP32-level error on rows spanning 1e-20 ... 1e20, within
+    FP32 rounding of the torch reference emulation (which sums in IEEE FP32), Inf/NaN
+    propagated; A100 (8-product FP16 blocks) computes other bits."""
+    from ase_tcfp32.kernels.reference import ReferenceBackend
+    from ase_tcfp32.tcmodel import emulated_matmul
+
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((40, 100)) * 10.0 ** rng.integers(-20, 20, (40, 1))).astype(np.float32)
+    w = rng.standard_normal((24, 100)).astype(np.float32)
+    exact = x.astype(np.float64) @ w.T.astype(np.float64)
+    rel = lambda y, ref: np.linalg.norm(y - ref) / np.linalg.norm(ref)  # noqa: E731
+    fp32_err = rel(x @ w.T, exact)
+    y = emulated_matmul(x, w, "fp16x3", "H100")
+    assert rel(y, exact) < 2 * fp32_err
+    reference = ReferenceBackend("fp16x3")
+    y_ref = reference.forward(torch.from_numpy(x), reference.prepare(torch.from_numpy(w)), None).numpy()
+    assert rel(y, y_ref.astype(np.float64)) < fp32_err
+    assert not np.array_equal(y, emulated_matmul(x, w, "fp16x3", "A100"))
+    x[0, 3], x[1, 5] = np.inf, np.nan
+    y = emulated_matmul(x, w, "fp16x3", "H100")
+    expected = x @ w.T
+    assert np.array_equal(np.isinf(y), np.isinf(expected)) and np.array_equal(np.isnan(y), np.isnan(expected))
+
+
 def test_calculator_previews_a_gpu_on_cpu(tiny_ckpt, water):
     from ase_tcfp32 import TCPETCalculator
 
@@ -243,7 +269,7 @@ def test_calculator_previews_a_gpu_on_cpu(tiny_ckpt, water):
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(precision="fp32", emulate="A100"), "needs precision 'tf32', 'tf32x3' or 'bf16x9'"),
+        (dict(precision="fp32", emulate="A100"), "needs precision 'tf32', 'tf32x3', 'fp16x3' or 'bf16x9'"),
         (dict(precision="tf32x3", emulate="P100"), "unknown GPU 'P100'"),
         (dict(precision="tf32x3", emulate="A100", device="cuda"), "runs the tensor-core model on CPU"),
     ],
