@@ -23,10 +23,14 @@ from ase_tcfp32.precision import ieee_fp32_matmul
 
 VARIANTS = {
     "128x128x32 s4 w8 ws": dict(BM=128, BN=128, BK=32, STAGES=4, GROUP_M=8, num_warps=8, WS=True),  # 36 B spills
+    "128x128x32 s4 w8 ws pipelined": dict(BM=128, BN=128, BK=32, STAGES=4, GROUP_M=8, num_warps=8, WS=True, PIPELINED=True),
+    "128x128x16 s8 w8 ws pipelined": dict(BM=128, BN=128, BK=16, STAGES=8, GROUP_M=8, num_warps=8, WS=True, PIPELINED=True),
 }
 FP16X3_VARIANTS = {
     "fp16x3 128x128x32 s4": dict(BM=128, BN=128, BK=32, STAGES=4, GROUP_M=8, num_warps=8),  # the default
     "fp16x3 128x128x64 s3": dict(BM=128, BN=128, BK=64, STAGES=3, GROUP_M=8, num_warps=8),
+    "fp16x3 128x128x32 s6": dict(BM=128, BN=128, BK=32, STAGES=6, GROUP_M=8, num_warps=8),
+    "fp16x3 128x128x32 s4 overlapped": dict(BM=128, BN=128, BK=32, STAGES=4, GROUP_M=8, num_warps=8, PIPELINED=False),
 }
 SHAPES = [(673920, 768, 256), (673920, 256, 256), (691200, 256, 768), (691200, 256, 256), (673920, 256, 1024),
           (673920, 512, 256), (673920, 512, 512)]  # fmt: skip

@@ -337,6 +337,7 @@ def gluon_backend():
 GLUON_CONFIGS = {
     "default": None,
     "plain": dict(BM=128, BN=128, BK=32, STAGES=3, GROUP_M=8, num_warps=8, WS=False),
+    "ws-pipelined": dict(BM=128, BN=128, BK=32, STAGES=4, GROUP_M=8, num_warps=8, WS=True, PIPELINED=True),
     "ws-bk16": dict(BM=128, BN=128, BK=16, STAGES=6, GROUP_M=8, num_warps=8, WS=True),
 }
 
@@ -373,7 +374,11 @@ def test_gluon_tf32x3_inf_nan_propagate_like_torch(gluon_backend):
     assert torch.equal(torch.isinf(y), torch.isinf(expected))
 
 
-FP16X3_CONFIGS = {"bk32": dict(BK=32, STAGES=4), "bk64": dict(BK=64, STAGES=3)}
+FP16X3_CONFIGS = {
+    "bk32": dict(BK=32, STAGES=4),
+    "bk64": dict(BK=64, STAGES=3),
+    "bk32-overlapped": dict(BK=32, STAGES=4, PIPELINED=False),
+}
 
 
 @pytest.fixture(scope="module")
