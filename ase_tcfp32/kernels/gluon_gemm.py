@@ -12,9 +12,10 @@ zero-filled). A warp-specialised variant has a producer warp issue the loads.
 Measured on H200 (``benchmarks/gluon_variants.py``, four runs): the warp-specialised
 variant at 4 stages 1.55-1.88x cuBLAS FP32 on the 17,280-atom PET-S shapes, the Triton
 kernel 1.44-1.80x in the same runs (about 3% apart on average, at the same error), so the
-Triton kernel stays the tf32x3 default; three TF32 passes are bounded by TF32 tensor-core
-throughput (``docs/kernel_notes.md``). :func:`descriptor` and :func:`tile_offsets` also
-serve the fp16x3 kernel (:mod:`ase_tcfp32.kernels.fp16x3`).
+Triton kernel stays the tf32x3 default. Compiled offline, ptxas serialises this kernel's
+wgmma (a full wait after each one) like the Triton kernel's (``docs/kernel_notes.md``).
+:func:`descriptor`, :func:`tile_offsets`, :func:`ring`, :func:`load_stage` and
+:func:`tma_ready` also serve the fp16x3 kernel (:mod:`ase_tcfp32.kernels.fp16x3`).
 """
 
 from __future__ import annotations
