@@ -18,7 +18,7 @@ import torch
 from triton.testing import do_bench
 
 from ase_tcfp32.kernels import fp16x3, gluon_gemm
-from ase_tcfp32.kernels.triton_gemm import TritonBackend
+from ase_tcfp32.kernels.triton_gemm import TritonBackend, launch, tile_config
 from ase_tcfp32.precision import ieee_fp32_matmul
 
 VARIANTS = {
@@ -64,7 +64,10 @@ def main() -> None:
         row["cublas_fp16_ms"] = do_bench(lambda: torch.addmm(bh, xh, wh.T), return_mode="median")
         del xh
         row["triton_ms"] = do_bench(lambda: triton_backend.forward(x, prepared, b), return_mode="median")
-        line = f"{m}x{k}x{n}: cuBLAS {row['cublas_fp32_ms']:.3f} ms, cuBLAS tf32 {row['cublas_fp32_ms'] / row['cublas_tf32_ms']:.2f}x, fp16 {row['cublas_fp32_ms'] / row['cublas_fp16_ms']:.2f}x, triton {row['cublas_fp32_ms'] / row['triton_ms']:.2f}x"
+        fused = triton_backend.gemm(w, config=dict(tile_config(n, k), FUSED=True))
+        row["triton_fused_ms"] = do_bench(lambda: launch(x, fused, b), return_mode="median")
+        row["triton_fused_error_vs_fp32"] = rel_error(launch(x[:16384].contiguous(), fused, b), exact) / base_error
+        line = f"{m}x{k}x{n}: cuBLAS {row['cublas_fp32_ms']:.3f} ms, cuBLAS tf32 {row['cublas_fp32_ms'] / row['cublas_tf32_ms']:.2f}x, fp16 {row['cublas_fp32_ms'] / row['cublas_fp16_ms']:.2f}x, triton {row['cublas_fp32_ms'] / row['triton_ms']:.2f}x, triton fused {row['cublas_fp32_ms'] / row['triton_fused_ms']:.2f}x (err {row['triton_fused_error_vs_fp32']:.2f})"
         words = fp16x3.split_weight(w)
         variants = [(name, config, gluon_gemm.launch, prepared.forward) for name, config in VARIANTS.items()]
         variants += [(name, config, fp16x3.launch, words) for name, config in FP16X3_VARIANTS.items()]
