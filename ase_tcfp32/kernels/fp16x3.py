@@ -11,10 +11,11 @@ TF32 passes would; the per-row scaling keeps FP32's exponent range.
 
 Measured on H200 (``benchmarks/gemm.py``, ``docs/performance.md``): 2.0-2.6x cuBLAS FP32
 on the 17,280-atom PET-S layers and 2.05-2.8x on PET-M, forward and backward, at 0.2-0.4x
-its error vs FP64; the Triton tf32x3 kernel 1.6-2.1x in the same run. The kernel is persistent and warp
-specialised: a TMA producer warp streams x (FP32) and the weight's words through a ring,
-while two consumer warpgroups split x in registers and issue asynchronous wgmma groups,
-one K-tile ahead of the FP32 sum.
+its error vs FP64; the Triton tf32x3 kernel 1.6-2.1x in the same run. The kernel is
+persistent and warp specialised: a TMA producer warp streams x (FP32) and the weight's
+words through a ring, while two consumer warpgroups split x in registers and issue
+asynchronous wgmma groups, one K-tile ahead of the FP32 sum as written; ptxas serialises
+them (a wait after each), see ``docs/kernel_notes.md`` for that and the fix under test.
 """
 
 from __future__ import annotations
