@@ -29,7 +29,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .gluon_gemm import descriptor, load_stage, ring, tile_offsets, tma_ready
-from .split import scale_rows, split_fp16
+from .split import split_fp16x3
 from .triton_gemm import min_rows
 
 
@@ -196,8 +196,8 @@ class Prepared(NamedTuple):
 def split_weight(w: torch.Tensor) -> Words:
     """The fp16x3 words of a finite FP32 weight [N, K] (K padded to 16-byte rows)."""
     n, k = w.shape
-    scaled, down = scale_rows(w)
-    words = torch.stack(split_fp16(scaled)).half()
+    hi, lo, down = split_fp16x3(w)
+    words = torch.stack([hi, lo]).half()
     words = torch.nn.functional.pad(words, (0, triton.cdiv(k, 8) * 8 - k)).contiguous()
     return Words(words, down.contiguous(), min_rows(n, k, w.device))
 

@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .triton_gemm import Gemm, Prepared, TritonBackend, _split_tf32
+from .triton_gemm import Gemm, TritonBackend, _split_tf32
 
 
 @gluon.jit
@@ -77,6 +77,16 @@ def _epilogue(acc, bias_ptr, N, off_m, off_n, y_desc, HAS_BIAS: gl.constexpr):
 
 
 @gluon.jit
+def copy_stage(x_desc, hi_desc, lo_desc, x_s, hi_s, lo_s, bar, off_m, off_n, k):
+    """TMA loads of the x tile at (off_m, k) and of both weight-word tiles at (off_n, k)
+    into one stage, landing on the barrier ``bar``."""
+    mbarrier.expect(bar, x_desc.block_type.nbytes + 2 * hi_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(x_desc, [off_m, k], bar, x_s)
+    tma.async_copy_global_to_shared(hi_desc, [off_n, k], bar, hi_s)
+    tma.async_copy_global_to_shared(lo_desc, [off_n, k], bar, lo_s)
+
+
+@gluon.jit
 def _tf32x3_kernel(
     x_desc, hi_desc, lo_desc, y_desc, bias_ptr, M, N,
     HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr,
@@ -93,14 +103,10 @@ def _tf32x3_kernel(
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-    nbytes: gl.constexpr = x_desc.block_type.nbytes + 2 * hi_desc.block_type.nbytes
     num_k = gl.cdiv(x_desc.shape[1], BK)
     for i in gl.static_range(STAGES - 1):
         if i < num_k:
-            mbarrier.expect(ready.index(i), nbytes)
-            tma.async_copy_global_to_shared(x_desc, [off_m, i * BK], ready.index(i), xs.index(i))
-            tma.async_copy_global_to_shared(hi_desc, [off_n, i * BK], ready.index(i), his.index(i))
-            tma.async_copy_global_to_shared(lo_desc, [off_n, i * BK], ready.index(i), los.index(i))
+            copy_stage(x_desc, hi_desc, lo_desc, xs.index(i), his.index(i), los.index(i), ready.index(i), off_m, off_n, i * BK)
 
     acc = gl.zeros((BM, BN), gl.float32, mma)  # FP32 running sum of the hi*hi tiles
     small = gl.zeros((BM, BN), gl.float32, mma)  # tensor-core sum of the corrections
@@ -114,10 +120,7 @@ def _tf32x3_kernel(
         nk = ki + STAGES - 1
         if nk < num_k:
             ns = nk % STAGES
-            mbarrier.expect(ready.index(ns), nbytes)
-            tma.async_copy_global_to_shared(x_desc, [off_m, nk * BK], ready.index(ns), xs.index(ns))
-            tma.async_copy_global_to_shared(hi_desc, [off_n, nk * BK], ready.index(ns), his.index(ns))
-            tma.async_copy_global_to_shared(lo_desc, [off_n, nk * BK], ready.index(ns), los.index(ns))
+            copy_stage(x_desc, hi_desc, lo_desc, xs.index(ns), his.index(ns), los.index(ns), ready.index(ns), off_m, off_n, nk * BK)
     small = warpgroup_mma_wait(num_outstanding=0, deps=(small,))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -145,14 +148,11 @@ def ring(x_desc, hi_desc, lo_desc, STAGES: gl.constexpr):
 
 @gluon.jit
 def load_stage(x_desc, hi_desc, lo_desc, xs, his, los, ready, empty, it, off_m, off_n, k, STAGES: gl.constexpr):
-    """The ring's ``it``-th fill: once the consumers freed its stage, TMA loads of the x tile
-    at (off_m, k) and of both weight-word tiles at (off_n, k), landing on "ready"."""
+    """The ring's ``it``-th fill: once the consumers freed its stage, :func:`copy_stage`
+    into it, landing on its "ready" barrier."""
     s = it % STAGES
     mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
-    mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + 2 * hi_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(x_desc, [off_m, k], ready.index(s), xs.index(s))
-    tma.async_copy_global_to_shared(hi_desc, [off_n, k], ready.index(s), his.index(s))
-    tma.async_copy_global_to_shared(lo_desc, [off_n, k], ready.index(s), los.index(s))
+    copy_stage(x_desc, hi_desc, lo_desc, xs.index(s), his.index(s), los.index(s), ready.index(s), off_m, off_n, k)
 
 
 @gluon.jit
@@ -285,18 +285,9 @@ class GluonBackend(TritonBackend):
     weight words and small-GEMM rule (cuBLAS FP32 below :func:`triton_gemm.min_rows`)."""
 
     name = "gluon"
+    launch = staticmethod(launch)
 
     def __init__(self, precision: str = "tf32x3"):
         if precision != "tf32x3":
             raise ValueError(f"the Gluon kernel computes tf32x3 only, not {precision!r}")
         super().__init__(precision)
-
-    def forward(self, x: torch.Tensor, prepared: Prepared, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] < prepared.forward.min_rows:
-            return torch.nn.functional.linear(x, prepared.weight, bias)
-        return launch(x, prepared.forward, None if bias is None else bias.detach().contiguous())
-
-    def grad_input(self, grad_y: torch.Tensor, prepared: Prepared) -> torch.Tensor:
-        if grad_y.shape[0] < prepared.backward.min_rows:
-            return grad_y @ prepared.weight
-        return launch(grad_y, prepared.backward)

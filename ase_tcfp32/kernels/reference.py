@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .split import round_tf32, scale_rows, split_bf16x3, split_fp16, split_tf32, truncate_tf32
+from .split import round_tf32, split_bf16x3, split_fp16x3, split_tf32, truncate_tf32
 
 Words = tuple[torch.Tensor, ...]
 
@@ -79,21 +79,13 @@ def emulated_mm(x: torch.Tensor, w_words: Words, scheme: Scheme, block_k: int = 
     return out + small if scheme.small else out
 
 
-def fp16x3_words(w: torch.Tensor) -> Words:
-    """``(hi, lo, down)``: the FP16 words of ``w`` [N, K] scaled per row, and ``down`` [N]
-    (``2^-a``) that undoes the scaling."""
-    scaled, down = scale_rows(w)
-    return (*split_fp16(scaled), down)
-
-
 def emulated_fp16x3_mm(x: torch.Tensor, w_words: Words, block_k: int = 32) -> torch.Tensor:
-    """``x @ w.T`` in fp16x3 for FP32 ``x`` [M, K] and :func:`fp16x3_words` of ``w``."""
+    """``x @ w.T`` in fp16x3 for FP32 ``x`` [M, K] and :func:`split_fp16x3` of ``w``."""
     w_hi, w_lo, w_down = w_words
     out = x.new_zeros(x.shape[0], w_hi.shape[0])
     for k0 in range(0, x.shape[1], block_k):
         cols = slice(k0, k0 + block_k)
-        scaled, down = scale_rows(x[:, cols])
-        hi, lo = split_fp16(scaled)
+        hi, lo, down = split_fp16x3(x[:, cols])
         hi_c = torch.where(torch.isinf(hi), 0.0, hi)  # Inf inputs drop their corrections
         tile = lo @ w_hi[:, cols].T + hi_c @ w_lo[:, cols].T + hi @ w_hi[:, cols].T
         out += tile * down[:, None]
@@ -115,7 +107,7 @@ class ReferenceBackend:
 
     def __init__(self, precision: str):
         if precision == "fp16x3":
-            self.words, self.mm = fp16x3_words, emulated_fp16x3_mm
+            self.words, self.mm = split_fp16x3, emulated_fp16x3_mm
         else:
             scheme = SCHEMES[precision]
             self.words, self.mm = scheme.words, lambda x, words: emulated_mm(x, words, scheme)

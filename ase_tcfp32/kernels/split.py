@@ -11,8 +11,8 @@ finite ``x`` to infinity falls back to truncation, so finite inputs never produc
 infinite words. Inf and NaN inputs give an Inf/NaN ``hi`` and NaN lower words; the
 GEMMs drop NaN corrections so that results propagate Inf/NaN like an FP32 matmul.
 
-``scale_rows(x) -> (scaled, down)`` and ``split_fp16(scaled) -> (hi, lo)`` are the fp16x3
-split: each row scaled by the power of two ``2^a`` that brings its maximum magnitude into
+``split_fp16x3(x) -> (hi, lo, down)`` is the fp16x3 split (``scale_rows`` then
+``split_fp16``): each row scaled by the power of two ``2^a`` that brings its maximum magnitude into
 [2^14, 2^15) (the top of FP16's range; ``down = 2^-a``), then ``hi`` = FP16 nearest-even
 and ``lo`` = the remainder rounded to FP16. ``hi + lo`` is ``x * 2^a`` to 2^-23 relative
 to each element; elements more than 2^17 below the row maximum keep less of ``lo``, but what they
@@ -88,3 +88,10 @@ def split_fp16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     hi = x.half().float()
     rest = x - hi
     return hi, torch.where(torch.isnan(rest), 0.0, rest).half().float()
+
+
+def split_fp16x3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(hi, lo, down)`` of FP32 ``x`` [R, K]: the FP16 words (as FP32 tensors) of ``x``
+    scaled per row by :func:`scale_rows`, and ``down`` [R] (``2^-a``) that undoes it."""
+    scaled, down = scale_rows(x)
+    return (*split_fp16(scaled), down)

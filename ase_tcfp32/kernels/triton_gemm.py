@@ -238,6 +238,8 @@ class TritonBackend:
     """
 
     name = "triton"
+    launch = staticmethod(launch)
+    """The kernel launcher (subclasses with other kernels replace it)."""
 
     def __init__(self, precision: str):
         self.precision = precision
@@ -277,9 +279,9 @@ class TritonBackend:
         if x.shape[0] < prepared.forward.min_rows:
             return torch.nn.functional.linear(x, prepared.weight, bias)
         bias = None if bias is None else bias.detach().contiguous()
-        return launch(x, prepared.forward, bias)
+        return self.launch(x, prepared.forward, bias)
 
     def grad_input(self, grad_y: torch.Tensor, prepared: Prepared) -> torch.Tensor:
         if grad_y.shape[0] < prepared.backward.min_rows:
             return grad_y @ prepared.weight
-        return launch(grad_y, prepared.backward)
+        return self.launch(grad_y, prepared.backward)

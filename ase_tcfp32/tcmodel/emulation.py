@@ -20,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..kernels.reference import SCHEMES, fp16x3_words
-from ..kernels.split import scale_rows, split_fp16
+from ..kernels.reference import SCHEMES
+from ..kernels.split import split_fp16x3
 from .core import TILE_ELEMENTS, _chain, map_row_tiles
 from .presets import TensorCore, tensor_core
 
@@ -46,7 +46,7 @@ def _without_inf(words: list[np.ndarray], x: np.ndarray) -> list[np.ndarray]:
 
 def _fp16x3_matmul(x: np.ndarray, w: np.ndarray, params, progress=None) -> np.ndarray:
     """``x @ w.T`` as the fp16x3 kernel computes it with block FMAs of ``params``."""
-    w_hi, w_lo, w_down = (word.numpy().astype(np.float64) for word in fp16x3_words(torch.from_numpy(w)))
+    w_hi, w_lo, w_down = (word.numpy().astype(np.float64) for word in split_fp16x3(torch.from_numpy(w)))
     w_hi, w_lo = w_hi.T.copy(), w_lo.T.copy()  # [K, N]
     w_down = w_down.astype(np.float32)
     m, k = x.shape
@@ -57,8 +57,8 @@ def _fp16x3_matmul(x: np.ndarray, w: np.ndarray, params, progress=None) -> np.nd
         acc = zero.astype(np.float32)
         for k0 in range(0, k, BLOCK_K):
             tile = slice(k0, k0 + BLOCK_K)
-            scaled, down = scale_rows(torch.from_numpy(np.ascontiguousarray(x[r, tile])))
-            hi, lo = (word.numpy().astype(np.float64) for word in split_fp16(scaled))
+            hi, lo, down = split_fp16x3(torch.from_numpy(np.ascontiguousarray(x[r, tile])))
+            hi, lo = hi.numpy().astype(np.float64), lo.numpy().astype(np.float64)
             hi_c = np.where(np.isinf(hi), 0.0, hi)
             block = _chain(lo, w_hi[tile], zero, params, "fp16", "fp32")
             block = _chain(hi_c, w_lo[tile], block, params, "fp16", "fp32")
