@@ -73,27 +73,26 @@ def main() -> None:
         "GROUP_M": "constexpr", "num_warps": "constexpr",
     }  # fmt: skip
     variants = [("gluon", gluon_gemm._tf32x3_kernel, 32, 3, {}), ("gluon", gluon_gemm._tf32x3_kernel, 32, 4, {})]
-    variants += [("gluon, warp-specialised", gluon_gemm._tf32x3_ws_kernel, bk, stages, dict(PIPELINED=pipelined))
-                 for bk, stages, pipelined in ((32, 4, False), (32, 4, True), (16, 8, True))]  # fmt: skip
+    variants += [("gluon, warp-specialised", gluon_gemm._tf32x3_ws_kernel, bk, stages, {}) for bk, stages in ((32, 4), (16, 8))]
     for name, fn, bk, stages, extra in variants:
         sig = dict(signature, x_desc=gluon_descriptor([g["BM"], bk]), hi_desc=gluon_descriptor([g["BN"], bk]),
                    lo_desc=gluon_descriptor([g["BN"], bk]), **{key: "constexpr" for key in extra})  # fmt: skip
         constants = dict(HAS_BIAS=True, STAGES=stages, GROUP_M=g["GROUP_M"], num_warps=g["num_warps"], **extra)
         kernel = triton.compile(GluonASTSource(fn, sig, constexprs=constants), target=TARGET, options=dict(num_warps=g["num_warps"]))
-        print(f"{name}, BK={bk}, {stages} stages{', pipelined' if extra.get('PIPELINED') else ''}:", structure(kernel))
+        print(f"{name}, BK={bk}, {stages} stages:", structure(kernel))
 
-    for bk, stages, pipelined in ((32, 4, True), (64, 3, True), (32, 4, False)):
+    for bk, stages in ((32, 4), (64, 3)):
         g = dict(fp16x3.CONFIG, BK=bk, STAGES=stages)
         signature = {
             "x_desc": gluon_descriptor([g["BM"], bk]), "hi_desc": gluon_descriptor([g["BN"], bk], "fp16"),
             "lo_desc": gluon_descriptor([g["BN"], bk], "fp16"), "y_ptr": "*fp32", "scale_ptr": "*fp32", "bias_ptr": "*fp32",
             "M": "i32", "N": "i32", "stride_ym": "i32", "HAS_BIAS": "constexpr", "STAGES": "constexpr",
-            "GROUP_M": "constexpr", "PIPELINED": "constexpr", "num_warps": "constexpr",
+            "GROUP_M": "constexpr", "num_warps": "constexpr",
         }  # fmt: skip
-        constants = dict(HAS_BIAS=True, STAGES=stages, GROUP_M=g["GROUP_M"], PIPELINED=pipelined, num_warps=g["num_warps"])
+        constants = dict(HAS_BIAS=True, STAGES=stages, GROUP_M=g["GROUP_M"], num_warps=g["num_warps"])
         kernel = triton.compile(GluonASTSource(fp16x3._fp16x3_kernel, signature, constexprs=constants), target=TARGET,
                                 options=dict(num_warps=g["num_warps"]))  # fmt: skip
-        print(f"fp16x3, BK={bk}, {stages} stages, pipelined={pipelined}:", structure(kernel))
+        print(f"fp16x3, BK={bk}, {stages} stages:", structure(kernel))
 
 if __name__ == "__main__":
     main()

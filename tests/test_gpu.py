@@ -63,24 +63,6 @@ def test_triton_matches_reference_and_fp64(triton_backends, precision, shape):
             assert err <= fp32 * 1.05, (err, fp32)  # no worse than cuBLAS FP32
 
 
-@pytest.mark.parametrize("shape", [(1003, 17, 33), (4099, 128, 384), (20_000, 256, 768), (70_000, 512, 256)])
-def test_triton_tf32x3_fused_tile_variant_matches_fp64(triton_backends, shape):
-    """The FUSED order (all three products in one fresh accumulator per K-tile, branch
-    fp16x3-pipeline): error bounds of the Gluon kernels' tests, forward and backward."""
-    from ase_tcfp32.kernels.triton_gemm import launch, tile_config
-
-    m, k, n = shape
-    g = torch.Generator(device="cuda").manual_seed(m + k + n)
-    x, w, gy = (torch.randn(*s, device="cuda", generator=g) for s in [(m, k), (n, k), (m, n)])
-    backend = triton_backends["tf32x3"]
-    fwd = backend.gemm(w, config=dict(tile_config(n, k), FUSED=True))
-    bwd = backend.gemm(w.T.contiguous(), config=dict(tile_config(k, n), FUSED=True))
-    exact, exact_dx = x.double() @ w.double().T, gy.double() @ w.double()
-    for err, fp32, depth in [(rel_error(launch(x, fwd), exact), rel_error(x @ w.T, exact), k),
-                             (rel_error(launch(gy, bwd), exact_dx), rel_error(gy @ w, exact_dx), n)]:  # fmt: skip
-        assert_fp32_level(err, fp32, depth, 1.2)
-
-
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_triton_backward_matches_fp64(triton_backends, precision):
     backend = triton_backends[precision]
@@ -363,7 +345,6 @@ def gluon_backend():
 GLUON_CONFIGS = {
     "default": None,
     "plain": dict(BM=128, BN=128, BK=32, STAGES=3, GROUP_M=8, num_warps=8, WS=False),
-    "ws-pipelined": dict(BM=128, BN=128, BK=32, STAGES=4, GROUP_M=8, num_warps=8, WS=True, PIPELINED=True),
     "ws-bk16": dict(BM=128, BN=128, BK=16, STAGES=6, GROUP_M=8, num_warps=8, WS=True),
 }
 
@@ -400,11 +381,7 @@ def test_gluon_tf32x3_inf_nan_propagate_like_torch(gluon_backend):
     assert torch.equal(torch.isinf(y), torch.isinf(expected))
 
 
-FP16X3_CONFIGS = {
-    "bk32": dict(BK=32, STAGES=4),
-    "bk64": dict(BK=64, STAGES=3),
-    "bk32-overlapped": dict(BK=32, STAGES=4, PIPELINED=False),
-}
+FP16X3_CONFIGS = {"bk32": dict(BK=32, STAGES=4), "bk64": dict(BK=64, STAGES=3), "bk16": dict(BK=16, STAGES=6)}
 
 
 @pytest.fixture(scope="module")

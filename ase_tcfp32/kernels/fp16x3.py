@@ -88,7 +88,7 @@ def _loader(x_desc, hi_desc, lo_desc, xs, his, los, ready, empty, M, N, GROUP_M:
 @gluon.jit
 def _fp16x3_consumer(
     xs, his, los, ready, empty, y_ptr, scale_ptr, bias_ptr, M, N, num_k, stride_ym,
-    HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, PIPELINED: gl.constexpr, num_warps: gl.constexpr,
+    HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroups: for each output tile the K loop of :func:`_split` and :func:`_issue`, where
     each K-tile's accumulator joins the FP32 sum (times its rows' ``2^-a``) while the next
@@ -105,43 +105,27 @@ def _fp16x3_consumer(
         off_m, off_n = tile_offsets(M, N, BM, BN, GROUP_M, tile)
         acc = zero
         prev = zero
-        prev_down = gl.zeros((BM,), gl.float32, rows_layout)
-        if PIPELINED:
-            # K-tile ki splits while ki - 1 runs; ki - 1 joins the sum with no wgmma in
-            # flight (ptxas serialises wgmma when accumulators are read around ones in flight)
+        # K-tile ki splits while ki - 1 runs; ki - 1 joins the sum with no wgmma in
+        # flight (ptxas serialises wgmma when accumulators are read around ones in flight);
+        # the words of ki - 1 stay alive until its wait (the wgmma read them from registers)
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        hi, lo, hi_c, down = _split(xs.index(s), a_layout, rows_layout)
+        pending = _issue(hi, lo, hi_c, his.index(s), los.index(s), prev)
+        for ki in range(1, num_k):
+            it += 1
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            hi, lo, hi_c, down = _split(xs.index(s), a_layout, rows_layout)
-            pending = _issue(hi, lo, hi_c, his.index(s), los.index(s), prev)
-            for ki in range(1, num_k):
-                it += 1
-                s = it % STAGES
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                hi, lo, hi_c, next_down = _split(xs.index(s), a_layout, rows_layout)
-                prev = warpgroup_mma_wait(num_outstanding=0, deps=(pending,))
-                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
-                acc = acc + prev * gl.expand_dims(down, 1)
-                pending = _issue(hi, lo, hi_c, his.index(s), los.index(s), prev)
-                down = next_down
-            prev = warpgroup_mma_wait(num_outstanding=0, deps=(pending,))
-            mbarrier.arrive(empty.index(it % STAGES), count=1)
-            it += 1
-            acc = acc + prev * gl.expand_dims(down, 1)
-        else:
-            for ki in range(num_k):
-                s = it % STAGES
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                hi, lo, hi_c, down = _split(xs.index(s), a_layout, rows_layout)
-                tile_acc = _issue(hi, lo, hi_c, his.index(s), los.index(s), zero)
-                prev, tile_acc, hi, lo, hi_c = warpgroup_mma_wait(num_outstanding=3, deps=(prev, tile_acc, hi, lo, hi_c))
-                acc = acc + prev * gl.expand_dims(prev_down, 1)
-                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=ki > 0)
-                prev = tile_acc
-                prev_down = down
-                it += 1
-            prev = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
+            next_hi, next_lo, next_hi_c, next_down = _split(xs.index(s), a_layout, rows_layout)
+            prev, hi, lo, hi_c = warpgroup_mma_wait(num_outstanding=0, deps=(pending, hi, lo, hi_c))
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
-            acc = acc + prev * gl.expand_dims(prev_down, 1)
+            acc = acc + prev * gl.expand_dims(down, 1)
+            pending = _issue(next_hi, next_lo, next_hi_c, his.index(s), los.index(s), prev)
+            hi, lo, hi_c, down = next_hi, next_lo, next_hi_c, next_down
+        prev, hi, lo, hi_c = warpgroup_mma_wait(num_outstanding=0, deps=(pending, hi, lo, hi_c))
+        mbarrier.arrive(empty.index(it % STAGES), count=1)
+        it += 1
+        acc = acc + prev * gl.expand_dims(down, 1)
         rows = off_m + gl.arange(0, BM, layout=rows_layout)
         cols = off_n + gl.arange(0, BN, layout=cols_layout)
         acc = acc * gl.expand_dims(gl.load(scale_ptr + cols, mask=cols < N, other=0.0), 0)
@@ -154,7 +138,7 @@ def _fp16x3_consumer(
 @gluon.jit
 def _fp16x3_kernel(
     x_desc, hi_desc, lo_desc, y_ptr, scale_ptr, bias_ptr, M, N, stride_ym,
-    HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, PIPELINED: gl.constexpr, num_warps: gl.constexpr,
+    HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """``y = (x @ w^T) * scale (+ bias)``: one program per SM walks the output tiles; a
     producer warp streams their K-tiles (x in FP32, the weight's FP16 words) through a
@@ -163,13 +147,13 @@ def _fp16x3_kernel(
     num_k = gl.cdiv(x_desc.shape[1], x_desc.block_type.shape[1])
     gl.warp_specialize(
         [(_fp16x3_consumer, (xs, his, los, ready, empty, y_ptr, scale_ptr, bias_ptr, M, N, num_k, stride_ym,
-                              HAS_BIAS, GROUP_M, STAGES, PIPELINED, num_warps)),
+                              HAS_BIAS, GROUP_M, STAGES, num_warps)),
          (_loader, (x_desc, hi_desc, lo_desc, xs, his, los, ready, empty, M, N, GROUP_M, STAGES))],
         [1], [24],
     )  # fmt: skip
 
 
-CONFIG = dict(BM=128, BN=128, BK=32, STAGES=4, GROUP_M=8, num_warps=8, PIPELINED=True)
+CONFIG = dict(BM=128, BN=128, BK=32, STAGES=4, GROUP_M=8, num_warps=8)
 """Tile shape and pipeline depth (4 stages of 32 KiB): the most even of the measured
 variants (BK=64 with 3 stages: 1.97-2.25x)."""
 
@@ -215,8 +199,7 @@ def launch(x: torch.Tensor, w: Words, bias: torch.Tensor | None = None, config: 
     _fp16x3_kernel[(min(tiles, sms),)](
         descriptor(tma_ready(x, kp), [bm, bk]), descriptor(w.words[0], [bn, bk]), descriptor(w.words[1], [bn, bk]),
         y, w.scale, bias if bias is not None else y, m, n, y.stride(0),
-        HAS_BIAS=bias is not None, STAGES=config["STAGES"], GROUP_M=config["GROUP_M"],
-        PIPELINED=config.get("PIPELINED", True), num_warps=config["num_warps"],
+        HAS_BIAS=bias is not None, STAGES=config["STAGES"], GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
     )  # fmt: skip
     return y
 

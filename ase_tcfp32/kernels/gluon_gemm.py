@@ -174,48 +174,37 @@ def _issue(hi, lo, hi_c, hi_s, lo_s, dead):
 
 
 @gluon.jit
-def _consumer(xs, his, los, ready, empty, num_k, STAGES: gl.constexpr, PIPELINED: gl.constexpr, num_warps: gl.constexpr):
-    """Two consumer warpgroups: the K loop, freeing each stage after use. ``PIPELINED``:
-    all three products of a K-tile go into one fresh accumulator (two accumulators instead
-    of three), K-tile ki splits while ki - 1 runs, and ki - 1 joins the sum with no wgmma
-    in flight (ptxas serialises every wgmma when accumulators are read around ones in
-    flight, as :func:`_k_tile` does)."""
+def _consumer(xs, his, los, ready, empty, num_k, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """Two consumer warpgroups: the K loop, freeing each stage after use. All three
+    products of a K-tile go into one fresh accumulator (:func:`_issue`); K-tile ki splits
+    while ki - 1 runs, and ki - 1 joins the sum with no wgmma in flight (ptxas serialises
+    every wgmma when accumulators are read around ones in flight, as in :func:`_k_tile`)."""
     BM: gl.constexpr = xs.shape[1]
-    BK: gl.constexpr = xs.shape[2]
     BN: gl.constexpr = his.shape[1]
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 8])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=1)
     acc = gl.zeros((BM, BN), gl.float32, mma)
-    small = gl.zeros((BM, BN), gl.float32, mma)
-    if PIPELINED:
-        mbarrier.wait(ready.index(0), 0)
-        hi, lo, hi_c = _split_tf32(xs.index(0).load(a_layout))
-        pending = _issue(hi, lo, hi_c, his.index(0), los.index(0), small)
-        for ki in range(1, num_k):
-            s = ki % STAGES
-            mbarrier.wait(ready.index(s), (ki // STAGES) & 1)
-            hi, lo, hi_c = _split_tf32(xs.index(s).load(a_layout))
-            small = warpgroup_mma_wait(num_outstanding=0, deps=(pending,))  # K-tile ki - 1
-            mbarrier.arrive(empty.index((ki + STAGES - 1) % STAGES), count=1)
-            acc = acc + small
-            pending = _issue(hi, lo, hi_c, his.index(s), los.index(s), small)
-        small = warpgroup_mma_wait(num_outstanding=0, deps=(pending,))
-    else:
-        hic_prev = gl.zeros((BM, BK), gl.float32, a_layout)
-        for ki in range(num_k):
-            s = ki % STAGES
-            mbarrier.wait(ready.index(s), (ki // STAGES) & 1)
-            acc, small, hic_prev = _k_tile(xs.index(s), his.index(s), los.index(s), acc, small, hic_prev, a_layout)
-            # K-tile ki - 1 is complete (the wait above); one arrival after a consumer barrier
-            mbarrier.arrive(empty.index((ki + STAGES - 1) % STAGES), count=1, pred=ki > 0)
-        small = warpgroup_mma_wait(num_outstanding=0, deps=(small,))
-    return (acc + small,)
+    mbarrier.wait(ready.index(0), 0)
+    hi, lo, hi_c = _split_tf32(xs.index(0).load(a_layout))
+    pending = _issue(hi, lo, hi_c, his.index(0), los.index(0), gl.zeros_like(acc))
+    for ki in range(1, num_k):
+        s = ki % STAGES
+        mbarrier.wait(ready.index(s), (ki // STAGES) & 1)
+        next_hi, next_lo, next_hi_c = _split_tf32(xs.index(s).load(a_layout))
+        # K-tile ki - 1, whose words stay alive until here (the wgmma read them from registers)
+        tile, hi, lo, hi_c = warpgroup_mma_wait(num_outstanding=0, deps=(pending, hi, lo, hi_c))
+        mbarrier.arrive(empty.index((ki + STAGES - 1) % STAGES), count=1)
+        acc = acc + tile
+        pending = _issue(next_hi, next_lo, next_hi_c, his.index(s), los.index(s), tile)
+        hi, lo, hi_c = next_hi, next_lo, next_hi_c
+    tile, hi, lo, hi_c = warpgroup_mma_wait(num_outstanding=0, deps=(pending, hi, lo, hi_c))
+    return (acc + tile,)
 
 
 @gluon.jit
 def _tf32x3_ws_kernel(
     x_desc, hi_desc, lo_desc, y_desc, bias_ptr, M, N,
-    HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, PIPELINED: gl.constexpr, num_warps: gl.constexpr,
+    HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """:func:`_tf32x3_kernel` with warp specialisation: a producer warp issues the TMA loads
     (no CTA barriers in the consumers' loop), the consumers wait on per-stage barriers."""
@@ -226,14 +215,14 @@ def _tf32x3_ws_kernel(
     xs, his, los, ready, empty = ring(x_desc, hi_desc, lo_desc, STAGES)
     num_k = gl.cdiv(x_desc.shape[1], BK)
     (acc,) = gl.warp_specialize(
-        [(_consumer, (xs, his, los, ready, empty, num_k, STAGES, PIPELINED, num_warps)),
+        [(_consumer, (xs, his, los, ready, empty, num_k, STAGES, num_warps)),
          (_loader, (x_desc, hi_desc, lo_desc, xs, his, los, ready, empty, off_m, off_n, STAGES))],
         [1], [24],
     )  # fmt: skip
     _epilogue(acc, bias_ptr, N, off_m, off_n, y_desc, HAS_BIAS)
 
 
-CONFIG = dict(BM=128, BN=128, BK=32, STAGES=4, GROUP_M=8, num_warps=8, WS=True, PIPELINED=False)
+CONFIG = dict(BM=128, BN=128, BK=32, STAGES=4, GROUP_M=8, num_warps=8, WS=True)
 """Tile shape, pipeline depth (4 stages: 192 KiB of shared memory), warp specialisation:
 the fastest measured variant (1.6-1.9x cuBLAS FP32; the Triton kernel: 1.4-1.8x)."""
 
@@ -273,8 +262,7 @@ def launch(x: torch.Tensor, gemm: Gemm, bias: torch.Tensor | None = None, config
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     options = dict(HAS_BIAS=bias is not None, STAGES=config["STAGES"], GROUP_M=config["GROUP_M"], num_warps=config["num_warps"])
     if config["WS"]:
-        _tf32x3_ws_kernel[grid](x_desc, hi_desc, lo_desc, y_desc, bias if bias is not None else y, m, n,
-                                PIPELINED=config.get("PIPELINED", False), **options)  # fmt: skip
+        _tf32x3_ws_kernel[grid](x_desc, hi_desc, lo_desc, y_desc, bias if bias is not None else y, m, n, **options)
     else:
         _tf32x3_kernel[grid](x_desc, hi_desc, lo_desc, y_desc, bias if bias is not None else y, m, n, **options)
     return y[:, :n]

@@ -99,7 +99,7 @@ def _load_w(w_ptr, w_desc, word, rn, kk, col0, k0, N, KP, TMA: tl.constexpr):
 def _linear_kernel(
     x_ptr, x_desc, w_ptr, w_desc, bias_ptr, y_ptr, M, N, K, KP, stride_xm, stride_ym,
     WORDS: tl.constexpr, TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, FUSED: tl.constexpr = False,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     # grouped tile order: GROUP_M row-tiles in a row share the W tiles in L2
     pid = tl.program_id(0)
@@ -125,16 +125,11 @@ def _linear_kernel(
         elif WORDS == 2:
             b1 = _load_w(w_ptr, w_desc, 1, rn, kk, col0, k0, N, KP, TMA)
             hi, lo, hi_c = _split_tf32(a)
-            if FUSED:  # one fresh accumulator per K-tile: ptxas does not serialise the wgmma
-                tile = tl.dot(lo, b0, input_precision="tf32")
-                tile = tl.dot(hi_c, b1, tile, input_precision="tf32")
-                acc += tl.dot(hi, b0, tile, input_precision="tf32")
-            else:
-                tile = tl.dot(hi, b0, input_precision="tf32")
-                small = tl.dot(lo, b0, small, input_precision="tf32")
-                small = tl.dot(hi_c, b1, small, input_precision="tf32")
-                acc += last
-                last = tile
+            tile = tl.dot(hi, b0, input_precision="tf32")
+            small = tl.dot(lo, b0, small, input_precision="tf32")
+            small = tl.dot(hi_c, b1, small, input_precision="tf32")
+            acc += last
+            last = tile
         else:
             b1 = _load_w(w_ptr, w_desc, 1, rn, kk, col0, k0, N, KP, TMA)
             b2 = _load_w(w_ptr, w_desc, 2, rn, kk, col0, k0, N, KP, TMA)
