@@ -164,41 +164,24 @@ def _loader(x_desc, hi_desc, lo_desc, xs, his, los, ready, empty, off_m, off_n, 
 
 
 @gluon.jit
-def _issue(hi, lo, hi_c, hi_s, lo_s, dead):
-    """lo*B_hi, hi_c*B_lo, then hi*B_hi, as asynchronous wgmma groups into one fresh
-    accumulator (the registers of ``dead``; Triton's own tf32x3 order)."""
-    b_hi = hi_s.permute((1, 0))
-    tile = warpgroup_mma(lo, b_hi, dead, use_acc=False, is_async=True)
-    tile = warpgroup_mma(hi_c, lo_s.permute((1, 0)), tile, is_async=True)
-    return warpgroup_mma(hi, b_hi, tile, is_async=True)
-
-
-@gluon.jit
 def _consumer(xs, his, los, ready, empty, num_k, STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """Two consumer warpgroups: the K loop, freeing each stage after use. All three
-    products of a K-tile go into one fresh accumulator (:func:`_issue`); K-tile ki splits
-    while ki - 1 runs, and ki - 1 joins the sum with no wgmma in flight (ptxas serialises
-    every wgmma when accumulators are read around ones in flight, as in :func:`_k_tile`)."""
+    """Two consumer warpgroups: the K loop of :func:`_k_tile`, freeing each stage after use."""
     BM: gl.constexpr = xs.shape[1]
+    BK: gl.constexpr = xs.shape[2]
     BN: gl.constexpr = his.shape[1]
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 8])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=1)
     acc = gl.zeros((BM, BN), gl.float32, mma)
-    mbarrier.wait(ready.index(0), 0)
-    hi, lo, hi_c = _split_tf32(xs.index(0).load(a_layout))
-    pending = _issue(hi, lo, hi_c, his.index(0), los.index(0), gl.zeros_like(acc))
-    for ki in range(1, num_k):
+    small = gl.zeros((BM, BN), gl.float32, mma)
+    hic_prev = gl.zeros((BM, BK), gl.float32, a_layout)
+    for ki in range(num_k):
         s = ki % STAGES
         mbarrier.wait(ready.index(s), (ki // STAGES) & 1)
-        next_hi, next_lo, next_hi_c = _split_tf32(xs.index(s).load(a_layout))
-        # K-tile ki - 1, whose words stay alive until here (the wgmma read them from registers)
-        tile, hi, lo, hi_c = warpgroup_mma_wait(num_outstanding=0, deps=(pending, hi, lo, hi_c))
-        mbarrier.arrive(empty.index((ki + STAGES - 1) % STAGES), count=1)
-        acc = acc + tile
-        pending = _issue(next_hi, next_lo, next_hi_c, his.index(s), los.index(s), tile)
-        hi, lo, hi_c = next_hi, next_lo, next_hi_c
-    tile, hi, lo, hi_c = warpgroup_mma_wait(num_outstanding=0, deps=(pending, hi, lo, hi_c))
-    return (acc + tile,)
+        acc, small, hic_prev = _k_tile(xs.index(s), his.index(s), los.index(s), acc, small, hic_prev, a_layout)
+        # K-tile ki - 1 is complete (the wait above); one arrival after a consumer barrier
+        mbarrier.arrive(empty.index((ki + STAGES - 1) % STAGES), count=1, pred=ki > 0)
+    small = warpgroup_mma_wait(num_outstanding=0, deps=(small,))
+    return (acc + small,)
 
 
 @gluon.jit
@@ -260,11 +243,11 @@ def launch(x: torch.Tensor, gemm: Gemm, bias: torch.Tensor | None = None, config
     lo_desc = descriptor(gemm.words[1], [bn, bk])
     y_desc = descriptor(y, [bm, bn])
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    options = dict(HAS_BIAS=bias is not None, STAGES=config["STAGES"], GROUP_M=config["GROUP_M"], num_warps=config["num_warps"])
-    if config["WS"]:
-        _tf32x3_ws_kernel[grid](x_desc, hi_desc, lo_desc, y_desc, bias if bias is not None else y, m, n, **options)
-    else:
-        _tf32x3_kernel[grid](x_desc, hi_desc, lo_desc, y_desc, bias if bias is not None else y, m, n, **options)
+    kernel = _tf32x3_ws_kernel if config["WS"] else _tf32x3_kernel
+    kernel[grid](
+        x_desc, hi_desc, lo_desc, y_desc, bias if bias is not None else y, m, n,
+        HAS_BIAS=bias is not None, STAGES=config["STAGES"], GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
+    )  # fmt: skip
     return y[:, :n]
 
 
