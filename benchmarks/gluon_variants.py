@@ -20,6 +20,7 @@ from triton.testing import do_bench
 from ase_tcfp32.kernels import fp16x3, gluon_gemm
 from ase_tcfp32.kernels.triton_gemm import TritonBackend
 from ase_tcfp32.precision import ieee_fp32_matmul
+from gemm import environment  # benchmarks/gemm.py
 
 VARIANTS = {
     "128x128x32 s4 w8 ws": dict(BM=128, BN=128, BK=32, STAGES=4, GROUP_M=8, num_warps=8, WS=True),  # the default
@@ -81,7 +82,7 @@ def main() -> None:
         rows.append(row)
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+                json.dump({"environment": environment(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

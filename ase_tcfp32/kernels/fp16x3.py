@@ -9,13 +9,13 @@ sum with one multiply-add by the rows' ``2^-a``; the weight's scale is undone at
 FP16 tensor cores run twice as fast as TF32 ones, so the three products cost what 1.5
 TF32 passes would; the per-row scaling keeps FP32's exponent range.
 
-Measured on H200 (``benchmarks/gemm.py``, ``docs/performance.md``): 2.0-2.6x cuBLAS FP32
-on the 17,280-atom PET-S layers and 2.05-2.8x on PET-M, forward and backward, at 0.2-0.4x
-its error vs FP64; the Triton tf32x3 kernel 1.6-2.1x in the same run. The kernel is
-persistent and warp specialised: a TMA producer warp streams x (FP32) and the weight's
-words through a ring, while two consumer warpgroups split x in registers and issue
-asynchronous wgmma groups, one K-tile ahead of the FP32 sum as written; ptxas serialises
-them (a wait after each), see ``docs/kernel_notes.md`` for that and the fix under test.
+Measured on H200 (``benchmarks/gemm.py``, ``docs/performance.md``): 2.25-2.5x cuBLAS FP32
+on the large 17,280-atom PET-S layers and 2.1-3.1x on PET-M, forward and backward, at
+0.2-0.4x its error vs FP64; the Triton tf32x3 kernel 1.65-2.1x in the same run. The kernel
+is persistent and warp specialised: a TMA producer warp streams x (FP32) and the weight's
+words through a ring, while two consumer warpgroups split K-tile k in registers while the
+products of k - 1 run, then add k - 1 to the FP32 sum with no wgmma in flight and issue k:
+the one schedule ptxas does not serialise (``docs/kernel_notes.md``).
 """
 
 from __future__ import annotations
@@ -154,8 +154,9 @@ def _fp16x3_kernel(
 
 
 CONFIG = dict(BM=128, BN=128, BK=32, STAGES=4, GROUP_M=8, num_warps=8)
-"""Tile shape and pipeline depth (4 stages of 32 KiB): the most even of the measured
-variants (BK=64 with 3 stages: 1.97-2.25x)."""
+"""Tile shape and pipeline depth (4 stages of 32 KiB). Measured alternatives within a few
+per cent of it, none ahead in every run: 6 stages, BK=64 with 3 stages, BM=64 with two CTAs
+per SM; BK=16 is 5-10% slower (``docs/kernel_notes.md``)."""
 
 
 class Words(NamedTuple):
