@@ -4,7 +4,9 @@
 
 For the production Triton kernel, the Gluon tf32x3 kernels and the fp16x3 kernel: wgmma instructions
 and ``wgmma.wait_group`` values in the PTX (how often the tensor cores are waited for per
-K-tile), registers and spilled bytes from ``ptxas -v``, and shared memory.
+K-tile), whether ptxas serialised the wgmma (its C7514/C7515 notes: it then waits after
+every HGMMA, the DEPBAR count in the SASS), registers and spilled bytes from ``ptxas -v``,
+and shared memory.
 """
 
 from __future__ import annotations
@@ -30,12 +32,18 @@ def structure(kernel) -> str:
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
-    log = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True).stderr
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as cubin:
+        log = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", cubin.name], capture_output=True, text=True).stderr
+        sass = subprocess.run([ptxas.replace("ptxas", "nvdisasm"), cubin.name], capture_output=True, text=True).stdout
     os.unlink(f.name)
+    os.unlink(cubin.name)
     waits = re.findall(r"wgmma.wait_group.sync.aligned (\d+)", ptx)
     regs = re.findall(r"Used (\d+) registers", log)
     spills = re.findall(r"(\d+) bytes spill stores", log)
-    return f"wgmma={ptx.count('wgmma.mma_async')} waits={waits} registers={regs} spill_bytes={spills} smem={kernel.metadata.shared}"
+    serialised = "serialised by ptxas (C7514/C7515)" if re.search(r"C751[45]", log) else "not serialised"
+    depbars = len(re.findall(r"WARPGROUP\.DEPBAR", sass))
+    return (f"wgmma={ptx.count('wgmma.mma_async')} waits={waits} HGMMA={sass.count('HGMMA')} DEPBAR={depbars} "
+            f"{serialised} registers={regs} spill_bytes={spills} smem={kernel.metadata.shared}")
 
 
 def gluon_descriptor(block: list[int], dtype: str = "fp32") -> str:
@@ -64,12 +72,14 @@ def main() -> None:
         "bias_ptr": "*fp32", "M": "i32", "N": "i32", "HAS_BIAS": "constexpr", "STAGES": "constexpr",
         "GROUP_M": "constexpr", "num_warps": "constexpr",
     }  # fmt: skip
-    for stages in (3, 4):
-        constants = dict(HAS_BIAS=True, STAGES=stages, GROUP_M=g["GROUP_M"], num_warps=g["num_warps"])
-        for name, fn in [("gluon", gluon_gemm._tf32x3_kernel), ("gluon, warp-specialised", gluon_gemm._tf32x3_ws_kernel)]:
-            kernel = triton.compile(GluonASTSource(fn, signature, constexprs=constants), target=TARGET,
-                                    options=dict(num_warps=g["num_warps"]))  # fmt: skip
-            print(f"{name}, {stages} stages:", structure(kernel))
+    variants = [("gluon", gluon_gemm._tf32x3_kernel, 32, 3, {}), ("gluon", gluon_gemm._tf32x3_kernel, 32, 4, {})]
+    variants += [("gluon, warp-specialised", gluon_gemm._tf32x3_ws_kernel, bk, stages, {}) for bk, stages in ((32, 4), (16, 8))]
+    for name, fn, bk, stages, extra in variants:
+        sig = dict(signature, x_desc=gluon_descriptor([g["BM"], bk]), hi_desc=gluon_descriptor([g["BN"], bk]),
+                   lo_desc=gluon_descriptor([g["BN"], bk]), **{key: "constexpr" for key in extra})  # fmt: skip
+        constants = dict(HAS_BIAS=True, STAGES=stages, GROUP_M=g["GROUP_M"], num_warps=g["num_warps"], **extra)
+        kernel = triton.compile(GluonASTSource(fn, sig, constexprs=constants), target=TARGET, options=dict(num_warps=g["num_warps"]))
+        print(f"{name}, BK={bk}, {stages} stages:", structure(kernel))
 
     for bk, stages in ((32, 4), (64, 3)):
         g = dict(fp16x3.CONFIG, BK=bk, STAGES=stages)

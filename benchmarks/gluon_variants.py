@@ -20,13 +20,17 @@ from triton.testing import do_bench
 from ase_tcfp32.kernels import fp16x3, gluon_gemm
 from ase_tcfp32.kernels.triton_gemm import TritonBackend
 from ase_tcfp32.precision import ieee_fp32_matmul
+from gemm import environment  # benchmarks/gemm.py
 
 VARIANTS = {
-    "128x128x32 s4 w8 ws": dict(BM=128, BN=128, BK=32, STAGES=4, GROUP_M=8, num_warps=8, WS=True),  # 36 B spills
+    "128x128x32 s4 w8 ws": dict(BM=128, BN=128, BK=32, STAGES=4, GROUP_M=8, num_warps=8, WS=True),  # the default
+    "128x128x16 s8 w8 ws": dict(BM=128, BN=128, BK=16, STAGES=8, GROUP_M=8, num_warps=8, WS=True),
 }
 FP16X3_VARIANTS = {
     "fp16x3 128x128x32 s4": dict(BM=128, BN=128, BK=32, STAGES=4, GROUP_M=8, num_warps=8),  # the default
     "fp16x3 128x128x64 s3": dict(BM=128, BN=128, BK=64, STAGES=3, GROUP_M=8, num_warps=8),
+    "fp16x3 128x128x32 s6": dict(BM=128, BN=128, BK=32, STAGES=6, GROUP_M=8, num_warps=8),
+    "fp16x3 128x128x16 s6": dict(BM=128, BN=128, BK=16, STAGES=6, GROUP_M=8, num_warps=8),
 }
 SHAPES = [(673920, 768, 256), (673920, 256, 256), (691200, 256, 768), (691200, 256, 256), (673920, 256, 1024),
           (673920, 512, 256), (673920, 512, 512)]  # fmt: skip
@@ -78,7 +82,7 @@ def main() -> None:
         rows.append(row)
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+                json.dump({"environment": environment(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -9,13 +9,13 @@ sum with one multiply-add by the rows' ``2^-a``; the weight's scale is undone at
 FP16 tensor cores run twice as fast as TF32 ones, so the three products cost what 1.5
 TF32 passes would; the per-row scaling keeps FP32's exponent range.
 
-Measured on H200 (``benchmarks/gemm.py``, ``docs/performance.md``): 2.0-2.6x cuBLAS FP32
-on the 17,280-atom PET-S layers and 2.05-2.8x on PET-M, forward and backward, at 0.2-0.4x
-its error vs FP64; the Triton tf32x3 kernel 1.6-2.1x in the same run. The kernel is
-persistent and warp specialised: a TMA producer warp streams x (FP32) and the weight's
-words through a ring, while two consumer warpgroups split x in registers and issue
-asynchronous wgmma groups, one K-tile ahead of the FP32 sum as written; ptxas serialises
-them (a wait after each), see ``docs/kernel_notes.md`` for that and the fix under test.
+Measured on H200 (``benchmarks/gemm.py``, ``docs/performance.md``): 2.25-2.5x cuBLAS FP32
+on the large 17,280-atom PET-S layers and 2.1-3.1x on PET-M, forward and backward, at
+0.2-0.4x its error vs FP64; the Triton tf32x3 kernel 1.65-2.1x in the same run. The kernel
+is persistent and warp specialised: a TMA producer warp streams x (FP32) and the weight's
+words through a ring, while two consumer warpgroups split K-tile k in registers while the
+products of k - 1 run, then add k - 1 to the FP32 sum with no wgmma in flight and issue k:
+the one schedule ptxas does not serialise (``docs/kernel_notes.md``).
 """
 
 from __future__ import annotations
@@ -43,12 +43,11 @@ def _pow2_scales(amax):
 
 
 @gluon.jit
-def _fp16x3_k_tile(x_s, hi_s, lo_s, zero, a_layout: gl.constexpr):
-    """One K-tile of fp16x3, issued as asynchronous wgmma groups into a fresh accumulator:
-    ``x = 2^-a (x_hi + x_lo)`` in FP16 with a per-row power of two ``2^a``, and
-    ``x_lo w_hi + x_hi w_lo + x_hi w_hi``. Returns the tile, ``2^-a`` and the A words
-    (kept alive while the products run). Inf inputs drop their corrections, NaN inputs
-    reach the tile through ``x_hi``."""
+def _split(x_s, a_layout: gl.constexpr, rows_layout: gl.constexpr):
+    """A K-tile of x as the products use it: ``x = 2^-a (hi + lo)`` in FP16 with one power
+    of two ``2^a`` per row; returns ``hi``, ``lo``, ``hi_c`` (``hi`` for the product with
+    ``w_lo``) and ``2^-a``. Inf inputs drop their corrections, NaN inputs reach the tile
+    through ``hi``."""
     x = x_s.load(a_layout)
     up, down = _pow2_scales(gl.max(gl.abs(x), axis=1))
     x = x * gl.expand_dims(up, 1)
@@ -57,11 +56,17 @@ def _fp16x3_k_tile(x_s, hi_s, lo_s, zero, a_layout: gl.constexpr):
     finite = rest == rest  # x - hi is NaN exactly for Inf and NaN inputs
     lo = gl.where(finite, rest, 0.0).to(gl.float16)
     hi_c = gl.where(finite, hi, gl.zeros_like(hi))
+    return hi, lo, hi_c, gl.convert_layout(down, rows_layout)
+
+
+@gluon.jit
+def _issue(hi, lo, hi_c, hi_s, lo_s, dead):
+    """``lo*w_hi + hi_c*w_lo + hi*w_hi`` as asynchronous wgmma groups into a fresh
+    accumulator, in the registers of ``dead`` (``use_acc=False``: its values are ignored)."""
     b_hi = hi_s.permute((1, 0))
-    tile = warpgroup_mma(lo, b_hi, zero, use_acc=False, is_async=True)
+    tile = warpgroup_mma(lo, b_hi, dead, use_acc=False, is_async=True)
     tile = warpgroup_mma(hi_c, lo_s.permute((1, 0)), tile, is_async=True)
-    tile = warpgroup_mma(hi, b_hi, tile, is_async=True)
-    return tile, gl.convert_layout(down, gl.SliceLayout(1, zero.type.layout)), hi, lo, hi_c
+    return warpgroup_mma(hi, b_hi, tile, is_async=True)
 
 
 @gluon.jit
@@ -85,11 +90,10 @@ def _fp16x3_consumer(
     xs, his, los, ready, empty, y_ptr, scale_ptr, bias_ptr, M, N, num_k, stride_ym,
     HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
-    """Consumer warpgroups: for each output tile the K loop of :func:`_fp16x3_k_tile`, where
+    """Consumer warpgroups: for each output tile the K loop of :func:`_split` and :func:`_issue`, where
     each K-tile's accumulator joins the FP32 sum (times its rows' ``2^-a``) while the next
     K-tile's products run; then ``acc * scale (+ bias)`` stored from registers."""
     BM: gl.constexpr = xs.shape[1]
-    BK: gl.constexpr = xs.shape[2]
     BN: gl.constexpr = his.shape[1]
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -101,20 +105,27 @@ def _fp16x3_consumer(
         off_m, off_n = tile_offsets(M, N, BM, BN, GROUP_M, tile)
         acc = zero
         prev = zero
-        prev_down = gl.zeros((BM,), gl.float32, rows_layout)
-        for ki in range(num_k):
+        # K-tile ki splits while ki - 1 runs; ki - 1 joins the sum with no wgmma in
+        # flight (ptxas serialises wgmma when accumulators are read around ones in flight);
+        # the words of ki - 1 stay alive until its wait (the wgmma read them from registers)
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        hi, lo, hi_c, down = _split(xs.index(s), a_layout, rows_layout)
+        pending = _issue(hi, lo, hi_c, his.index(s), los.index(s), prev)
+        for ki in range(1, num_k):
+            it += 1
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            tile_acc, down, hi, lo, hi_c = _fp16x3_k_tile(xs.index(s), his.index(s), los.index(s), zero, a_layout)
-            prev, tile_acc, hi, lo, hi_c = warpgroup_mma_wait(num_outstanding=3, deps=(prev, tile_acc, hi, lo, hi_c))
-            acc = acc + prev * gl.expand_dims(prev_down, 1)
-            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=ki > 0)
-            prev = tile_acc
-            prev_down = down
-            it += 1
-        prev = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
-        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
-        acc = acc + prev * gl.expand_dims(prev_down, 1)
+            next_hi, next_lo, next_hi_c, next_down = _split(xs.index(s), a_layout, rows_layout)
+            prev, hi, lo, hi_c = warpgroup_mma_wait(num_outstanding=0, deps=(pending, hi, lo, hi_c))
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+            acc = acc + prev * gl.expand_dims(down, 1)
+            pending = _issue(next_hi, next_lo, next_hi_c, his.index(s), los.index(s), prev)
+            hi, lo, hi_c, down = next_hi, next_lo, next_hi_c, next_down
+        prev, hi, lo, hi_c = warpgroup_mma_wait(num_outstanding=0, deps=(pending, hi, lo, hi_c))
+        mbarrier.arrive(empty.index(it % STAGES), count=1)
+        it += 1
+        acc = acc + prev * gl.expand_dims(down, 1)
         rows = off_m + gl.arange(0, BM, layout=rows_layout)
         cols = off_n + gl.arange(0, BN, layout=cols_layout)
         acc = acc * gl.expand_dims(gl.load(scale_ptr + cols, mask=cols < N, other=0.0), 0)
@@ -143,8 +154,9 @@ def _fp16x3_kernel(
 
 
 CONFIG = dict(BM=128, BN=128, BK=32, STAGES=4, GROUP_M=8, num_warps=8)
-"""Tile shape and pipeline depth (4 stages of 32 KiB): the most even of the measured
-variants (BK=64 with 3 stages: 1.97-2.25x)."""
+"""Tile shape and pipeline depth (4 stages of 32 KiB). Measured alternatives within a few
+per cent of it, none ahead in every run: 6 stages, BK=64 with 3 stages, BM=64 with two CTAs
+per SM; BK=16 is 5-10% slower (``docs/kernel_notes.md``)."""
 
 
 class Words(NamedTuple):
