@@ -19,7 +19,7 @@ from ase.data import chemical_symbols
 from ase.stress import full_3x3_to_voigt_6_stress
 
 from .compilation import compile_backend
-from .layers import swap_linear_layers
+from .layers import EMULATED, swap_linear_layers
 from .lean import LeanPET
 from .models import load_pet, recompute_gnn_layers
 from .precision import check_name, ieee_fp32_matmul, resolve_precision, support
@@ -45,8 +45,9 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 def _check_emulation(emulate: str, precision: str, device) -> None:
     tensor_core(emulate)  # an unknown GPU name fails here, listing the presets
-    if precision not in ("tf32", "tf32x3", "fp16x3", "bf16x9"):
-        raise ValueError(f"emulate={emulate!r} needs precision 'tf32', 'tf32x3', 'fp16x3' or 'bf16x9', not {precision!r}")
+    if precision not in EMULATED:
+        names = ", ".join(map(repr, EMULATED[:-1])) + f" or {EMULATED[-1]!r}"
+        raise ValueError(f"emulate={emulate!r} needs precision {names}, not {precision!r}")
     if device is not None and torch.device(device).type != "cpu":
         raise ValueError(f"emulate={emulate!r} runs the tensor-core model on CPU; pass device='cpu' or None")
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ase_tcfp32.kernels.triton_gemm import TritonBackend, launch
+from ase_tcfp32.precision import support
 from ase_tcfp32.tcmodel import emulated_matmul
 
 
@@ -38,7 +39,7 @@ def main() -> None:
     for m, k, n in [(256, 256, 128), (300, 520, 136)]:
         x = rng.standard_normal((m, k)).astype(np.float32)
         w = rng.standard_normal((n, k)).astype(np.float32)
-        precisions = ["tf32", "tf32x3", "bf16x9"] + (["fp16x3"] if torch.cuda.get_device_capability() == (9, 0) else [])
+        precisions = ["tf32", "tf32x3", "bf16x9"] + (["fp16x3"] if support("fp16x3", "cuda").available else [])
         for precision in precisions:
             gpu = run_kernel(x, w, precision)
             for model in (args.gpu_model, "A100"):

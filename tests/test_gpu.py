@@ -6,6 +6,7 @@ import torch
 
 from ase_tcfp32 import TCPETCalculator, auto_precision
 from ase_tcfp32.kernels.reference import ReferenceBackend
+from ase_tcfp32.precision import support
 
 pytestmark = pytest.mark.gpu
 
@@ -386,8 +387,9 @@ FP16X3_CONFIGS = {"bk32": dict(BK=32, STAGES=4), "bk64": dict(BK=64, STAGES=3), 
 
 @pytest.fixture(scope="module")
 def fp16x3():
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the fp16x3 kernel is written for Hopper (sm_90)")
+    fp16x3_support = support("fp16x3", "cuda")
+    if not fp16x3_support.available:
+        pytest.skip(fp16x3_support.note)
     from ase_tcfp32.kernels import fp16x3
 
     return fp16x3
