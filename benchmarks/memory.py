@@ -73,11 +73,13 @@ def largest(shape: str, precision: str, low_memory: bool, start: int = 1024) -> 
     def fits(molecules: int) -> bool:
         try:
             measure(calc, molecules)
-            return True
+            ok = True
         except torch.OutOfMemoryError:
-            return False
-        finally:
-            torch.cuda.empty_cache()
+            ok = False
+        torch.cuda.empty_cache()
+        print(f"  {shape} {precision} low_memory={low_memory}: {3 * molecules} atoms "
+              f"{'fit' if ok else 'out of memory'}", flush=True)  # fmt: skip
+        return ok
 
     good, bad = 0, start
     while fits(bad):
