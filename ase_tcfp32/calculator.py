@@ -10,6 +10,7 @@ stress by autograd) or through :mod:`ase_tcfp32.lean` (``engine="lean"`` or
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import torch
@@ -167,6 +168,23 @@ class TCPETCalculator(Calculator):
                 "device": str(self.device), "elements": len(self.atomic_types), "cutoff": f"{self.cutoff} Å"}  # fmt: skip
         cells = "".join(f"<tr><th style='text-align:left'>{k}</th><td>{v}</td></tr>" for k, v in rows.items())
         return f"<b>TCPETCalculator</b><table>{cells}</table>"
+
+    def warm_up(self, atoms: Atoms) -> float:
+        """Evaluate ``atoms`` once (a copy) and return the seconds it took.
+
+        The first evaluation compiles the GPU kernels (and, with ``compile=True``, the
+        model), tunes each layer's GEMM configuration on this GPU (:mod:`ase_tcfp32.kernels.autotune`,
+        remembered on disk: later runs skip it) and splits the weights; with
+        ``engine="graphs"`` it records the step. Call it before timing or running MD so
+        that the first step is not the slow one.
+        """
+        start = time.perf_counter()
+        probe = atoms.copy()
+        probe.calc = self
+        probe.get_forces()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
 
     def check_atoms(self, atoms: Atoms, properties: list[str]) -> None:
         """Raise a clear error for input the model cannot evaluate."""

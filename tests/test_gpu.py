@@ -444,3 +444,60 @@ def test_fp16x3_inf_nan_propagate_like_torch(fp16x3):
     y = backend.forward(x, backend.prepare(w), None)
     assert torch.equal(torch.isnan(y), torch.isnan(expected))
     assert torch.equal(torch.isinf(y), torch.isinf(expected))
+
+
+@pytest.fixture
+def fresh_tuning(tmp_path, monkeypatch):
+    """An empty autotuning cache; returns its file."""
+    from ase_tcfp32.kernels import autotune
+
+    monkeypatch.setenv("ASE_TCFP32_CACHE", str(tmp_path))
+    monkeypatch.delenv("ASE_TCFP32_AUTOTUNE", raising=False)
+    monkeypatch.setattr(autotune, "_memory", {})
+    return autotune.cache_file()
+
+
+@pytest.mark.parametrize("precision", ["tf32x3", "bf16x9", "fp16x3"])
+def test_every_tuning_candidate_gives_the_same_bits(fresh_tuning, precision):
+    """Tuning changes tiles, stages and warps, never the K-tile: each candidate computes
+    the same bits, forward and backward; prepare() tunes both directions and writes the
+    choice to the cache file."""
+    import json
+
+    from ase_tcfp32.kernels import fp16x3, get_backend
+    from ase_tcfp32.kernels.triton_gemm import TritonBackend, tile_candidates
+
+    if precision == "fp16x3" and not support("fp16x3", "cuda").available:
+        pytest.skip("fp16x3 needs Hopper")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(20_011, 256, device="cuda", generator=g)
+    w = torch.randn(384, 256, device="cuda", generator=g)
+    b = torch.randn(384, device="cuda", generator=g)
+    if precision == "fp16x3":
+        words = fp16x3.split_weight(w)
+        outputs = [fp16x3.launch(x, words, b, config) for config in fp16x3.CANDIDATES]
+    else:
+        backend = TritonBackend(precision)
+        outputs = [backend.launch(x, backend.gemm(w, config=config), b) for config in tile_candidates(384, 256)]
+    assert all(torch.equal(y, outputs[0]) for y in outputs[1:])
+
+    backend = get_backend(precision, torch.device("cuda"))
+    prepared = backend.prepare(w)
+    assert torch.equal(backend.forward(x, prepared, b), outputs[0])
+    tuned = json.loads(fresh_tuning.read_text())
+    assert sorted(key.rsplit("|", 2)[1:] for key in tuned) == [["n=256", "k=384"], ["n=384", "k=256"]]
+
+
+def test_warm_up_tunes_every_layer_before_the_first_step(fresh_tuning, tiny_ckpt, water192):
+    """After warm_up() the MD steps tune nothing more (the cache file stays as it was)
+    and give what a calculator without warm-up gives."""
+    atoms = water192.copy()
+    atoms.calc = TCPETCalculator(tiny_ckpt, device="cuda")
+    assert atoms.calc.warm_up(atoms) > 0
+    tuned = fresh_tuning.read_text()
+    atoms.positions += 0.01
+    forces = atoms.get_forces()
+    assert fresh_tuning.read_text() == tuned
+    fresh = atoms.copy()
+    fresh.calc = TCPETCalculator(tiny_ckpt, device="cuda")
+    assert np.abs(fresh.get_forces() - forces).max() < 3e-5

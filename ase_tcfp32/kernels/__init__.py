@@ -2,7 +2,8 @@
 
 Every backend has the same three methods, used by :class:`ase_tcfp32.layers.TCLinear`:
 
-- ``prepare(weight [N, K]) -> prepared``: split the frozen weight once;
+- ``prepare(weight [N, K]) -> prepared``: split the frozen weight once (on a GPU also
+  tune its launch configuration, once per GPU and shape: :mod:`.autotune`);
 - ``forward(x [M, K], prepared, bias [N] | None) -> y [M, N]``;
 - ``grad_input(grad_y [M, N], prepared) -> grad_x [M, K]``.
 

@@ -28,6 +28,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
+from . import autotune
 from .gluon_gemm import descriptor, load_stage, ring, tile_offsets, tma_ready
 from .split import split_fp16x3
 from .triton_gemm import min_rows
@@ -158,15 +159,21 @@ CONFIG = dict(BM=128, BN=128, BK=32, STAGES=4, GROUP_M=8, num_warps=8)
 per cent of it, none ahead in every run: 6 stages, BK=64 with 3 stages, BM=64 with two CTAs
 per SM; BK=16 is 5-10% slower (``docs/kernel_notes.md``)."""
 
+CANDIDATES = [CONFIG, dict(CONFIG, STAGES=3), dict(CONFIG, STAGES=6), dict(CONFIG, BN=64)]
+"""What :mod:`.autotune` tries per weight shape: :data:`CONFIG` first, all with its K-tile
+(which fixes the per-row scales and the order of the sums, so the bits never change)."""
+
 
 class Words(NamedTuple):
     """One direction of a weight [N, K] for fp16x3: FP16 words [2, N, KP] of the
-    row-scaled weight, the scales ``2^-b`` [N] that undo it, and the smallest M that
-    runs the kernel (fewer rows go to cuBLAS FP32, see :func:`triton_gemm.min_rows`)."""
+    row-scaled weight, the scales ``2^-b`` [N] that undo it, the smallest M that runs the
+    kernel (fewer rows go to cuBLAS FP32, see :func:`triton_gemm.min_rows`) and the
+    launch configuration."""
 
     words: torch.Tensor
     scale: torch.Tensor
     min_rows: int
+    config: dict = CONFIG
 
 
 class Prepared(NamedTuple):
@@ -178,17 +185,26 @@ class Prepared(NamedTuple):
     backward: Words | None
 
 
-def split_weight(w: torch.Tensor) -> Words:
-    """The fp16x3 words of a finite FP32 weight [N, K] (K padded to 16-byte rows)."""
+def split_weight(w: torch.Tensor, tune: bool = False) -> Words:
+    """The fp16x3 words of a finite FP32 weight [N, K] (K padded to 16-byte rows),
+    launched with :data:`CONFIG` or, with ``tune``, the fastest of :data:`CANDIDATES`."""
     n, k = w.shape
     hi, lo, down = split_fp16x3(w)
     words = torch.stack([hi, lo]).half()
     words = torch.nn.functional.pad(words, (0, triton.cdiv(k, 8) * 8 - k)).contiguous()
-    return Words(words, down.contiguous(), min_rows(n, k, w.device))
+    split = Words(words, down.contiguous(), min_rows(n, k, w.device))
+    if not tune:
+        return split
+    x = torch.randn(autotune.benchmark_rows(n, k), k, device=w.device)
+    key = f"{autotune.device_key(w.device)}|fp16x3|n={n}|k={k}"
+    config = autotune.tuned(key, CANDIDATES, lambda c: autotune.time_ms(lambda: launch(x, split, None, c)))
+    return split._replace(config=config)
 
 
-def launch(x: torch.Tensor, w: Words, bias: torch.Tensor | None = None, config: dict = CONFIG) -> torch.Tensor:
-    """``x [M, K] @ w^T (+ bias)`` as [M, N], on the GPU whatever M is."""
+def launch(x: torch.Tensor, w: Words, bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """``x [M, K] @ w^T (+ bias)`` as [M, N], on the GPU whatever M is (with ``config``,
+    default the one ``w`` was tuned for)."""
+    config = config or w.config
     m, k = x.shape
     _, n, kp = w.words.shape
     y = torch.empty((m, n), device=x.device, dtype=torch.float32)
@@ -216,7 +232,7 @@ class Fp16x3Backend:
         weight = weight.detach().float().contiguous()
         if not torch.isfinite(weight).all():
             return Prepared(weight, None, None)
-        return Prepared(weight, split_weight(weight), split_weight(weight.T.contiguous()))
+        return Prepared(weight, split_weight(weight, tune=True), split_weight(weight.T.contiguous(), tune=True))
 
     def forward(self, x: torch.Tensor, prepared: Prepared, bias: torch.Tensor | None) -> torch.Tensor:
         if prepared.forward is None or x.shape[0] < prepared.forward.min_rows:

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from . import autotune
 from .split import round_tf32, split_bf16x3
 
 @triton.jit
@@ -159,6 +160,15 @@ def tile_config(n: int, k: int) -> dict:
     return dict(BM=128, BN=bn, BK=bk, GROUP_M=8, num_warps=8 if bn >= 128 else 4, num_stages=3)
 
 
+def tile_candidates(n: int, k: int) -> list[dict]:
+    """What :mod:`.autotune` tries for (n, k): :func:`tile_config` first (measured best on
+    H200 for PET's shapes), then deeper pipelines and smaller tiles, all with its K-tile."""
+    base = tile_config(n, k)
+    variants = [base, dict(base, num_stages=4), dict(base, BM=64, num_warps=4, num_stages=4),
+                dict(base, BN=max(16, base["BN"] // 2), num_warps=4, num_stages=4)]  # fmt: skip
+    return [c for i, c in enumerate(variants) if c not in variants[:i]]
+
+
 class Gemm(NamedTuple):
     """One direction of a split weight: words [WORDS, N, KP], launch config, dispatch."""
 
@@ -247,11 +257,11 @@ class TritonBackend:
             return torch.stack([hi, w - hi])
         return torch.stack(split_bf16x3(w)).to(torch.bfloat16)  # exact: the words are BF16
 
-    def gemm(self, w: torch.Tensor, finite: bool = True, config: dict | None = None) -> Gemm:
+    def gemm(self, w: torch.Tensor, finite: bool = True, config: dict | None = None, tune: bool = False) -> Gemm:
         """``w`` [N, K] split for ``y = x w^T``, launched with ``config`` (default
-        :func:`tile_config`)."""
+        :func:`tile_config` or, with ``tune``, the fastest of :func:`tile_candidates`)."""
         n, k = w.shape
-        config = config or tile_config(n, k)
+        config = config or (self._tuned(w, finite) if tune else tile_config(n, k))
         rows = 0 if self.precision == "tf32" else min_rows(n, k, w.device)
         if not finite and self.precision != "tf32":
             rows = torch.iinfo(torch.int64).max
@@ -264,11 +274,25 @@ class TritonBackend:
             descriptor = TensorDescriptor(flat, list(flat.shape), [kp, 1], [config["BN"], config["BK"]])
         return Gemm(words, config, triton.cdiv(n, config["BN"]), rows, descriptor)
 
+    def _tuned(self, w: torch.Tensor, finite: bool) -> dict:
+        n, k = w.shape
+        candidates = tile_candidates(n, k)
+        if w.device.type != "cuda":
+            return candidates[0]
+        x = torch.randn(autotune.benchmark_rows(n, k), k, device=w.device)
+
+        def measure(config: dict) -> float:
+            gemm = self.gemm(w, finite, config)
+            return autotune.time_ms(lambda: self.launch(x, gemm))
+
+        key = f"{autotune.device_key(w.device)}|{self.name} {self.precision}|n={n}|k={k}"
+        return autotune.tuned(key, candidates, measure)
+
     def prepare(self, weight: torch.Tensor) -> Prepared:
         """Words of ``weight`` [N, K] and of its transpose, each [WORDS, rows, KP]."""
         weight = weight.detach().float().contiguous()
         finite = bool(torch.isfinite(weight).all())
-        return Prepared(weight, self.gemm(weight, finite), self.gemm(weight.T.contiguous(), finite))
+        return Prepared(weight, self.gemm(weight, finite, tune=True), self.gemm(weight.T.contiguous(), finite, tune=True))
 
     def forward(self, x: torch.Tensor, prepared: Prepared, bias: torch.Tensor | None) -> torch.Tensor:
         if x.shape[0] < prepared.forward.min_rows:

@@ -1,0 +1,111 @@
+"""Launch configurations tuned once per GPU and GEMM shape, remembered on disk.
+
+The first time a layer of output width N and depth K meets a kernel on a GPU, each
+candidate configuration is timed on that shape (a few hundred ms, plus compiling the
+candidates) and the fastest is written to a JSON file; later calls, in this process or
+any other on the same machine, read it. Candidates differ only in tile rows and columns,
+pipeline depth, warps and tile order, never in the K-tile: each output element sums the
+same products in the same order under every candidate, so tuning never changes a number
+(the GPU tests check the bits).
+
+The file is ``$ASE_TCFP32_CACHE/autotune.json`` (default ``~/.cache/ase-tcfp32``);
+``ASE_TCFP32_AUTOTUNE=0`` turns tuning off (every layer takes the first candidate).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+_lock = threading.Lock()
+_memory: dict[str, dict[str, dict]] = {}
+"""Configurations known to this process, per cache file, by key."""
+
+
+def cache_file() -> Path:
+    """Where tuned configurations are kept."""
+    folder = os.environ.get("ASE_TCFP32_CACHE") or Path.home() / ".cache" / "ase-tcfp32"
+    return Path(folder) / "autotune.json"
+
+
+def enabled() -> bool:
+    """Whether to tune (``ASE_TCFP32_AUTOTUNE`` unset or not ``0``)."""
+    return os.environ.get("ASE_TCFP32_AUTOTUNE", "1") != "0"
+
+
+def device_key(device: torch.device) -> str:
+    """The GPU model and the software whose choices a tuned configuration reflects."""
+    import triton
+
+    from .. import __version__
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)}|sm{major}{minor}|triton {triton.__version__}|ase-tcfp32 {__version__}"
+
+
+def _read(path: Path) -> dict:
+    """The configurations in ``path`` ({} when missing; a damaged file is ignored with a warning)."""
+    if not path.exists():
+        return {}
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError) as error:
+        warnings.warn(f"ignoring the unreadable autotuning cache {path} ({error}); configurations are tuned again",
+                      stacklevel=4)  # fmt: skip
+        return {}
+
+
+def _write(path: Path, configurations: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(configurations, indent=1, sort_keys=True))
+        os.replace(temporary, path)  # atomic: concurrent processes never read half a file
+    except OSError as error:
+        warnings.warn(f"could not write the autotuning cache {path} ({error}); tuned configurations "
+                      "last for this process only", stacklevel=4)  # fmt: skip
+
+
+def tuned(key: str, candidates: list[dict], measure: Callable[[dict], float]) -> dict:
+    """The candidate with the smallest ``measure(candidate)`` (ms) for ``key``, measured
+    the first time and remembered (memory and :func:`cache_file`). Candidates that fail
+    (e.g. out of shared memory) are skipped; the first one must work."""
+    if not enabled() or len(candidates) == 1:
+        return candidates[0]
+    path = cache_file()
+    with _lock:
+        memory = _memory.setdefault(str(path), {})
+        if key not in memory:
+            memory.update(_read(path))
+        if memory.get(key) in candidates:
+            return dict(memory[key])
+        times = []
+        for candidate in candidates:
+            try:
+                times.append(measure(candidate))
+            except Exception:  # noqa: BLE001 - a candidate this GPU cannot run is no candidate
+                if candidate is candidates[0]:
+                    raise
+                times.append(float("inf"))
+        memory[key] = candidates[min(range(len(candidates)), key=times.__getitem__)]
+        _write(path, {**_read(path), key: memory[key]})  # keep what other processes wrote meanwhile
+        return dict(memory[key])
+
+
+def benchmark_rows(n: int, k: int) -> int:
+    """Rows of the operand a shape is timed with: enough to fill a large GPU many times
+    over (PET's edge layers have 10^4-10^6), at most ~256 MB of FP32 operand."""
+    return max(8192, min(65536, 2**26 // max(n, k)))
+
+
+def time_ms(function: Callable[[], object]) -> float:
+    """Median ms of ``function()`` on the GPU (Triton's ``do_bench``)."""
+    from triton.testing import do_bench
+
+    return do_bench(function, warmup=5, rep=25, return_mode="median")

@@ -1,0 +1,113 @@
+"""Tuned launch configurations: chosen once, remembered in memory and on disk
+(``ase_tcfp32.kernels.autotune``), and the calculator's warm-up. The kernels themselves
+under every candidate are checked bit for bit in test_gpu.py."""
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+
+from ase_tcfp32 import TCPETCalculator
+from ase_tcfp32.kernels import autotune
+
+CANDIDATES = [{"stages": 3}, {"stages": 4}, {"stages": 6}]
+TIMES = {3: 2.0, 4: 1.0, 6: 1.5}  # ms per candidate, as a GPU would measure them
+
+
+class Timer:
+    """A measure function with fixed times that counts its calls."""
+
+    def __init__(self, times=TIMES, failing=()):
+        self.times, self.failing, self.calls = times, failing, 0
+
+    def __call__(self, config: dict) -> float:
+        self.calls += 1
+        if config["stages"] in self.failing:
+            raise RuntimeError("out of resource: shared memory")
+        return self.times[config["stages"]]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A fresh cache folder, and this process's memory of configurations forgotten."""
+    monkeypatch.setenv("ASE_TCFP32_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("ASE_TCFP32_AUTOTUNE", raising=False)
+    monkeypatch.setattr(autotune, "_memory", {})
+    return tmp_path / "cache" / "autotune.json"
+
+
+def test_fastest_candidate_is_measured_once_and_kept_on_disk(cache, monkeypatch):
+    timer = Timer()
+    assert autotune.tuned("gpu|n=8|k=16", CANDIDATES, timer) == {"stages": 4}
+    assert timer.calls == 3
+    assert autotune.tuned("gpu|n=8|k=16", CANDIDATES, timer) == {"stages": 4}
+    assert timer.calls == 3  # remembered
+    assert json.loads(cache.read_text()) == {"gpu|n=8|k=16": {"stages": 4}}
+
+    monkeypatch.setattr(autotune, "_memory", {})  # as a new process would start
+    assert autotune.tuned("gpu|n=8|k=16", CANDIDATES, Timer(times={3: 1.0, 4: 2.0, 6: 3.0})) == {"stages": 4}
+
+    timer = Timer(times={3: 1.0, 4: 2.0, 6: 3.0})
+    assert autotune.tuned("gpu|n=8|k=32", CANDIDATES, timer) == {"stages": 3}  # another shape: measured
+    assert timer.calls == 3
+    assert set(json.loads(cache.read_text())) == {"gpu|n=8|k=16", "gpu|n=8|k=32"}
+
+
+def test_entries_other_processes_wrote_are_kept(cache):
+    autotune.tuned("a", CANDIDATES, Timer())
+    on_disk = json.loads(cache.read_text())
+    on_disk["b"] = {"stages": 6}  # another process tuned "b" meanwhile
+    cache.write_text(json.dumps(on_disk))
+    autotune.tuned("c", CANDIDATES, Timer())
+    assert set(json.loads(cache.read_text())) == {"a", "b", "c"}
+
+
+def test_a_stale_entry_is_tuned_again(cache):
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps({"a": {"stages": 5}}))  # not a candidate any more
+    timer = Timer()
+    assert autotune.tuned("a", CANDIDATES, timer) == {"stages": 4}
+    assert timer.calls == 3
+
+
+def test_failing_candidates_are_skipped_but_not_the_first(cache):
+    assert autotune.tuned("a", CANDIDATES, Timer(failing=(4,))) == {"stages": 6}
+    with pytest.raises(RuntimeError, match="shared memory"):
+        autotune.tuned("b", CANDIDATES, Timer(failing=(3,)))
+
+
+def test_damaged_or_unwritable_cache_warns_and_still_tunes(cache, tmp_path, monkeypatch):
+    cache.parent.mkdir(parents=True)
+    cache.write_text("{not json")
+    with pytest.warns(UserWarning, match="ignoring the unreadable autotuning cache"):
+        assert autotune.tuned("a", CANDIDATES, Timer()) == {"stages": 4}
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("ASE_TCFP32_CACHE", str(blocker))  # a file where the folder should be
+    with pytest.warns(UserWarning, match="last for this process only"):
+        assert autotune.tuned("b", CANDIDATES, Timer()) == {"stages": 4}
+    timer = Timer()
+    assert autotune.tuned("b", CANDIDATES, timer) == {"stages": 4} and timer.calls == 0
+
+
+def test_tuning_can_be_turned_off(cache, monkeypatch):
+    monkeypatch.setenv("ASE_TCFP32_AUTOTUNE", "0")
+    timer = Timer()
+    assert autotune.tuned("a", CANDIDATES, timer) == {"stages": 3}
+    assert timer.calls == 0 and not cache.exists()
+
+
+def test_warm_up_evaluates_a_copy_and_the_next_call_agrees(tiny_ckpt, water):
+    calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu")
+    atoms = water.copy()
+    atoms.calc = calc
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        seconds = calc.warm_up(atoms)
+    assert seconds > 0
+    np.testing.assert_array_equal(atoms.positions, water.positions)  # the user's atoms untouched
+    fresh = water.copy()
+    fresh.calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu")
+    np.testing.assert_allclose(atoms.get_forces(), fresh.get_forces(), atol=1e-6)
