@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 
 import torch
-import triton
 from triton.testing import do_bench
 
 from ase_tcfp32.kernels.cublas import version as cublas_version
 from ase_tcfp32.kernels.triton_gemm import TritonBackend
+from ase_tcfp32.validation.common import environment as validation_environment
 
 PAD_WIDTH = {("s", 192): 38, ("s", 17280): 39, ("m", 192): 49, ("m", 17280): 51}
 """Padded neighbour width W of water at 1 g/cm³ (cutoff_width_adaptive 1.0)."""
@@ -86,15 +85,8 @@ def bench_shape(m: int, k: int, n: int, backends: dict) -> dict:
 
 
 def environment() -> dict:
-    return {
-        "gpu": torch.cuda.get_device_name(),
-        "compute_capability": ".".join(map(str, torch.cuda.get_device_capability())),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "cublas": cublas_version(),
-        "python": platform.python_version(),
-    }
+    """The run's versions and GPU (:func:`ase_tcfp32.validation.common.environment`) and cuBLAS's version."""
+    return {**validation_environment("cuda"), "cublas": cublas_version()}
 
 
 def markdown(results: dict) -> str:
