@@ -77,6 +77,10 @@ def _info(args) -> None:
             print(f"  {row.precision:7} {mark}  {row.backend:14} {row.note}")
         chosen, why = auto_precision(device)
         print(f"  auto -> {chosen}: {why}")
+    from .kernels import autotune
+
+    state = "on" if autotune.enabled() else "off (ASE_TCFP32_AUTOTUNE=0)"
+    print(f"\nGEMM tuning: {state}, {len(autotune.known())} tuned shapes in {autotune.cache_file()}")
     from .tcmodel import ALIASES, PRESETS
 
     print(f"\ntensor-core model (emulate=..., on CPU): {', '.join(PRESETS)} (aliases {', '.join(ALIASES)})")

@@ -49,6 +49,8 @@ def main() -> None:
     atoms.calc = calc
     thermalize_momenta(atoms, temperature_K=300, rng=np.random.default_rng(0))
     Stationary(atoms)
+    # the one-off work (kernel compilation, GEMM tuning, compile=True) before the first step
+    print(f"warm-up: {calc.warm_up(atoms):.1f} s")
     trajectory = Trajectory(args.traj, "w", atoms)
     print(f"{len(atoms)} atoms, 0.5 fs, {args.nvt} NVT + {args.nve} NVE steps, precision {calc.precision}")
     print(f"{'phase':>5} {'step':>6} {'E_pot (eV)':>14} {'E_kin (eV)':>12} {'E_tot (eV)':>14} {'T (K)':>8}")

@@ -132,3 +132,4 @@ def test_info_lists_precisions_and_auto(capsys):
     main(["info"])
     out = capsys.readouterr().out
     assert "auto -> fp32" in out and "tf32x3" in out and "pet-mad-s" in out
+    assert "GEMM tuning: on" in out and "autotune.json" in out

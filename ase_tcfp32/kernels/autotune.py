@@ -72,6 +72,11 @@ def _write(path: Path, configurations: dict) -> None:
                       "last for this process only", stacklevel=4)  # fmt: skip
 
 
+def known() -> dict[str, dict]:
+    """The configurations tuned so far on this machine (the cache file), by key."""
+    return _read(cache_file())
+
+
 def tuned(key: str, candidates: list[dict], measure: Callable[[dict], float]) -> dict:
     """The candidate with the smallest ``measure(candidate)`` (ms) for ``key``, measured
     the first time and remembered (memory and :func:`cache_file`). Candidates that fail
