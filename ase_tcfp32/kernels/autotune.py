@@ -14,6 +14,7 @@ The file is ``$ASE_TCFP32_CACHE/autotune.json`` (default ``~/.cache/ase-tcfp32``
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -103,14 +104,20 @@ def tuned(key: str, candidates: list[dict], measure: Callable[[dict], float]) ->
         return dict(memory[key])
 
 
-def benchmark_rows(n: int, k: int) -> int:
-    """Rows of the operand a shape is timed with: enough to fill a large GPU many times
-    over (PET's edge layers have 10^4-10^6), at most ~256 MB of FP32 operand."""
-    return max(8192, min(65536, 2**26 // max(n, k)))
-
-
-def time_ms(function: Callable[[], object]) -> float:
-    """Median ms of ``function()`` on the GPU (Triton's ``do_bench``)."""
+def tuned_gemm(kernel: str, n: int, k: int, device: torch.device, candidates: list[dict],
+               launcher: Callable[[dict], Callable[[torch.Tensor], object]]) -> dict:  # fmt: skip
+    """:func:`tuned` for a GEMM with a weight [n, k] on ``device``: ``launcher(config)``
+    gives the function that launches it on x [rows, k], timed by Triton's ``do_bench``
+    (median ms). x is random, made only if something is measured, with rows enough to
+    fill a large GPU many times over (at most ~256 MB of FP32)."""
     from triton.testing import do_bench
 
-    return do_bench(function, warmup=5, rep=25, return_mode="median")
+    @functools.cache
+    def operand() -> torch.Tensor:
+        return torch.randn(max(8192, min(65536, 2**26 // max(n, k))), k, device=device)
+
+    def measure(config: dict) -> float:
+        run, x = launcher(config), operand()
+        return do_bench(lambda: run(x), warmup=5, rep=25, return_mode="median")
+
+    return tuned(f"{device_key(device)}|{kernel}|n={n}|k={k}", candidates, measure)

@@ -195,9 +195,7 @@ def split_weight(w: torch.Tensor, tune: bool = False) -> Words:
     split = Words(words, down.contiguous(), min_rows(n, k, w.device))
     if not tune:
         return split
-    x = torch.randn(autotune.benchmark_rows(n, k), k, device=w.device)
-    key = f"{autotune.device_key(w.device)}|fp16x3|n={n}|k={k}"
-    config = autotune.tuned(key, CANDIDATES, lambda c: autotune.time_ms(lambda: launch(x, split, None, c)))
+    config = autotune.tuned_gemm("fp16x3", n, k, w.device, CANDIDATES, lambda c: lambda x: launch(x, split, None, c))
     return split._replace(config=config)
 
 

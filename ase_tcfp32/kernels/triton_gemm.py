@@ -279,14 +279,12 @@ class TritonBackend:
         candidates = tile_candidates(n, k)
         if w.device.type != "cuda":
             return candidates[0]
-        x = torch.randn(autotune.benchmark_rows(n, k), k, device=w.device)
 
-        def measure(config: dict) -> float:
+        def launcher(config: dict):
             gemm = self.gemm(w, finite, config)
-            return autotune.time_ms(lambda: self.launch(x, gemm))
+            return lambda x: self.launch(x, gemm)
 
-        key = f"{autotune.device_key(w.device)}|{self.name} {self.precision}|n={n}|k={k}"
-        return autotune.tuned(key, candidates, measure)
+        return autotune.tuned_gemm(f"{self.name} {self.precision}", n, k, w.device, candidates, launcher)
 
     def prepare(self, weight: torch.Tensor) -> Prepared:
         """Words of ``weight`` [N, K] and of its transpose, each [WORDS, rows, KP]."""
