@@ -73,3 +73,15 @@ def pt_bulk():
     atoms = ase.build.bulk("Pt", "fcc", a=3.92, cubic=True)
     atoms.rattle(0.05, seed=2)
     return atoms
+
+
+@pytest.fixture
+def tuning_cache(tmp_path, monkeypatch) -> Path:
+    """The GEMM autotuning cache file, in a fresh folder, with this process's memory of
+    tuned configurations forgotten and tuning on."""
+    from ase_tcfp32.kernels import autotune
+
+    monkeypatch.setenv("ASE_TCFP32_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("ASE_TCFP32_AUTOTUNE", raising=False)
+    monkeypatch.setattr(autotune, "_memory", {})
+    return autotune.cache_file()

@@ -28,22 +28,13 @@ class Timer:
         return self.times[config["stages"]]
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    """A fresh cache folder, and this process's memory of configurations forgotten."""
-    monkeypatch.setenv("ASE_TCFP32_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("ASE_TCFP32_AUTOTUNE", raising=False)
-    monkeypatch.setattr(autotune, "_memory", {})
-    return tmp_path / "cache" / "autotune.json"
-
-
-def test_fastest_candidate_is_measured_once_and_kept_on_disk(cache, monkeypatch):
+def test_fastest_candidate_is_measured_once_and_kept_on_disk(tuning_cache, monkeypatch):
     timer = Timer()
     assert autotune.tuned("gpu|n=8|k=16", CANDIDATES, timer) == {"stages": 4}
     assert timer.calls == 3
     assert autotune.tuned("gpu|n=8|k=16", CANDIDATES, timer) == {"stages": 4}
     assert timer.calls == 3  # remembered
-    assert json.loads(cache.read_text()) == {"gpu|n=8|k=16": {"stages": 4}}
+    assert json.loads(tuning_cache.read_text()) == {"gpu|n=8|k=16": {"stages": 4}}
 
     monkeypatch.setattr(autotune, "_memory", {})  # as a new process would start
     assert autotune.tuned("gpu|n=8|k=16", CANDIDATES, Timer(times={3: 1.0, 4: 2.0, 6: 3.0})) == {"stages": 4}
@@ -51,35 +42,35 @@ def test_fastest_candidate_is_measured_once_and_kept_on_disk(cache, monkeypatch)
     timer = Timer(times={3: 1.0, 4: 2.0, 6: 3.0})
     assert autotune.tuned("gpu|n=8|k=32", CANDIDATES, timer) == {"stages": 3}  # another shape: measured
     assert timer.calls == 3
-    assert set(json.loads(cache.read_text())) == {"gpu|n=8|k=16", "gpu|n=8|k=32"}
+    assert set(json.loads(tuning_cache.read_text())) == {"gpu|n=8|k=16", "gpu|n=8|k=32"}
 
 
-def test_entries_other_processes_wrote_are_kept(cache):
+def test_entries_other_processes_wrote_are_kept(tuning_cache):
     autotune.tuned("a", CANDIDATES, Timer())
-    on_disk = json.loads(cache.read_text())
+    on_disk = json.loads(tuning_cache.read_text())
     on_disk["b"] = {"stages": 6}  # another process tuned "b" meanwhile
-    cache.write_text(json.dumps(on_disk))
+    tuning_cache.write_text(json.dumps(on_disk))
     autotune.tuned("c", CANDIDATES, Timer())
-    assert set(json.loads(cache.read_text())) == {"a", "b", "c"}
+    assert set(json.loads(tuning_cache.read_text())) == {"a", "b", "c"}
 
 
-def test_a_stale_entry_is_tuned_again(cache):
-    cache.parent.mkdir(parents=True)
-    cache.write_text(json.dumps({"a": {"stages": 5}}))  # not a candidate any more
+def test_a_stale_entry_is_tuned_again(tuning_cache):
+    tuning_cache.parent.mkdir(parents=True)
+    tuning_cache.write_text(json.dumps({"a": {"stages": 5}}))  # not a candidate any more
     timer = Timer()
     assert autotune.tuned("a", CANDIDATES, timer) == {"stages": 4}
     assert timer.calls == 3
 
 
-def test_failing_candidates_are_skipped_but_not_the_first(cache):
+def test_failing_candidates_are_skipped_but_not_the_first(tuning_cache):
     assert autotune.tuned("a", CANDIDATES, Timer(failing=(4,))) == {"stages": 6}
     with pytest.raises(RuntimeError, match="shared memory"):
         autotune.tuned("b", CANDIDATES, Timer(failing=(3,)))
 
 
-def test_damaged_or_unwritable_cache_warns_and_still_tunes(cache, tmp_path, monkeypatch):
-    cache.parent.mkdir(parents=True)
-    cache.write_text("{not json")
+def test_damaged_or_unwritable_cache_warns_and_still_tunes(tuning_cache, tmp_path, monkeypatch):
+    tuning_cache.parent.mkdir(parents=True)
+    tuning_cache.write_text("{not json")
     with pytest.warns(UserWarning, match="ignoring the unreadable autotuning cache"):
         assert autotune.tuned("a", CANDIDATES, Timer()) == {"stages": 4}
 
@@ -92,11 +83,11 @@ def test_damaged_or_unwritable_cache_warns_and_still_tunes(cache, tmp_path, monk
     assert autotune.tuned("b", CANDIDATES, timer) == {"stages": 4} and timer.calls == 0
 
 
-def test_tuning_can_be_turned_off(cache, monkeypatch):
+def test_tuning_can_be_turned_off(tuning_cache, monkeypatch):
     monkeypatch.setenv("ASE_TCFP32_AUTOTUNE", "0")
     timer = Timer()
     assert autotune.tuned("a", CANDIDATES, timer) == {"stages": 3}
-    assert timer.calls == 0 and not cache.exists()
+    assert timer.calls == 0 and not tuning_cache.exists()
 
 
 def test_warm_up_evaluates_a_copy_and_the_next_call_agrees(tiny_ckpt, water):

@@ -446,19 +446,8 @@ def test_fp16x3_inf_nan_propagate_like_torch(fp16x3):
     assert torch.equal(torch.isinf(y), torch.isinf(expected))
 
 
-@pytest.fixture
-def fresh_tuning(tmp_path, monkeypatch):
-    """An empty autotuning cache; returns its file."""
-    from ase_tcfp32.kernels import autotune
-
-    monkeypatch.setenv("ASE_TCFP32_CACHE", str(tmp_path))
-    monkeypatch.delenv("ASE_TCFP32_AUTOTUNE", raising=False)
-    monkeypatch.setattr(autotune, "_memory", {})
-    return autotune.cache_file()
-
-
 @pytest.mark.parametrize("precision", ["tf32x3", "bf16x9", "fp16x3"])
-def test_every_tuning_candidate_gives_the_same_bits(fresh_tuning, precision):
+def test_every_tuning_candidate_gives_the_same_bits(tuning_cache, precision):
     """Tuning changes tiles, stages and warps, never the K-tile: each candidate computes
     the same bits, forward and backward; prepare() tunes both directions and writes the
     choice to the cache file."""
@@ -484,20 +473,20 @@ def test_every_tuning_candidate_gives_the_same_bits(fresh_tuning, precision):
     backend = get_backend(precision, torch.device("cuda"))
     prepared = backend.prepare(w)
     assert torch.equal(backend.forward(x, prepared, b), outputs[0])
-    tuned = json.loads(fresh_tuning.read_text())
+    tuned = json.loads(tuning_cache.read_text())
     assert sorted(key.rsplit("|", 2)[1:] for key in tuned) == [["n=256", "k=384"], ["n=384", "k=256"]]
 
 
-def test_warm_up_tunes_every_layer_before_the_first_step(fresh_tuning, tiny_ckpt, water192):
+def test_warm_up_tunes_every_layer_before_the_first_step(tuning_cache, tiny_ckpt, water192):
     """After warm_up() the MD steps tune nothing more (the cache file stays as it was)
     and give what a calculator without warm-up gives."""
     atoms = water192.copy()
     atoms.calc = TCPETCalculator(tiny_ckpt, device="cuda")
     assert atoms.calc.warm_up(atoms) > 0
-    tuned = fresh_tuning.read_text()
+    tuned = tuning_cache.read_text()
     atoms.positions += 0.01
     forces = atoms.get_forces()
-    assert fresh_tuning.read_text() == tuned
+    assert tuning_cache.read_text() == tuned
     fresh = atoms.copy()
     fresh.calc = TCPETCalculator(tiny_ckpt, device="cuda")
     assert np.abs(fresh.get_forces() - forces).max() < 3e-5
