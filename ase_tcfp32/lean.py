@@ -8,10 +8,12 @@ largest neighbour count) is read back to the host. Here instead:
   and are kept until an atom has moved more than ``skin / 2`` (a Verlet list), in a
   buffer of fixed capacity sorted by centre atom;
 - each step, on the device only: edge vectors, PET's adaptive per-atom cutoffs (metatrain's
-  own solver), and the [atoms, J] neighbour table with J a bucket (a multiple of 8)
-  that is checked after the step and widened when an atom outgrows it;
+  own solver), and the [atoms, J] neighbour table with J the largest neighbour count plus
+  :data:`MARGIN`, checked after the step and widened when an atom outgrows it (J is the
+  length of a tensor, not a Python number, so that ``torch.compile`` does not recompile
+  for a new J);
 - energy, forces and the strain derivative (stress) from one backward pass;
-- with ``cuda_graphs=True`` the step is recorded once per (capacity, J) bucket as a CUDA
+- with ``cuda_graphs=True`` the step is recorded once per (capacity, J) as a CUDA
   graph and replayed: no kernel launches from Python while atoms move.
 
 Pairs beyond the adaptive cutoff contribute exactly zero to metatrain's solver (its
@@ -32,6 +34,11 @@ from .compilation import compiled
 
 _FAR = 1.0e6
 """Distance given to the padding pairs: past every cutoff, so they weigh exactly zero."""
+
+MARGIN = 2
+"""Columns of the neighbour table beyond the largest neighbour count, so that counts can
+grow by that much before a step is redone with a wider table. Every column costs ~1/J of
+the edge work (GEMMs and attention): metatrain's own table has no margin."""
 
 
 class NeighbourListError(RuntimeError):
@@ -169,8 +176,9 @@ class LeanPET:
         self._key: tuple | None = None  # numbers, pbc of the current system
         self._reference: tuple[np.ndarray, np.ndarray] | None = None  # positions, cell of the last list
         self.pairs: Pairs | None = None
-        self.width = 0  # J, the neighbour table's bucket
+        self.columns = torch.arange(0, device=device)  # [J]: the neighbour table's columns
         self.rebuilds = 0
+        self.widenings = 0
         self._graph: _Graph | None = None
         self._nl_device = device
         self._far = torch.tensor([_FAR, 0.0, 0.0], device=device, dtype=self.dtype)  # here: no host copy in a graph
@@ -186,7 +194,8 @@ class LeanPET:
     def _needs_pairs(self, atoms: Atoms) -> bool:
         key = (atoms.numbers.tobytes(), atoms.pbc.tobytes())
         if key != self._key:
-            self._key, self.pairs, self._graph, self.width = key, None, None, 0
+            self._key, self.pairs = key, None
+            self._set_width(0)
             return True
         ref_positions, ref_cell = self._reference
         if not np.array_equal(ref_cell, atoms.cell.array):
@@ -217,13 +226,24 @@ class LeanPET:
         self._reference = (atoms.positions.copy(), atoms.cell.array.copy())
         self.rebuilds += 1
 
+    @property
+    def width(self) -> int:
+        """J, the neighbour table's width (0 before the first evaluation)."""
+        return self.columns.numel()
+
+    def _set_width(self, width: int) -> None:
+        """A table of ``width`` columns from the next evaluation on (not the recorded graph's)."""
+        self.columns, self._graph = torch.arange(width, device=self.device), None
+
     # ----- one evaluation on tensors ----------------------------------------------------
 
-    def neighbour_table(self, positions: torch.Tensor, strain: torch.Tensor, cell: torch.Tensor, numbers: torch.Tensor) -> tuple:
+    def neighbour_table(self, positions: torch.Tensor, strain: torch.Tensor, cell: torch.Tensor, numbers: torch.Tensor,
+                        columns: torch.Tensor) -> tuple:  # fmt: skip
         """PET's input tensors (its ``batch_data``: [N, J] tables of the kept pairs) and the
         largest neighbour count (0-d tensor), for positions [N, 3] and cell [3, 3] (Å)
-        deformed by ``(1 + strain)``, through the current pairs and table width J."""
-        backend, pairs, width = self.backend, self.pairs, self.width
+        deformed by ``(1 + strain)``, through the current pairs, into a table of J =
+        ``len(columns)`` columns."""
+        backend, pairs, width = self.backend, self.pairs, columns.shape[0]
         n, capacity = positions.shape[0], pairs.valid.numel()
         deformation = torch.eye(3, device=positions.device, dtype=positions.dtype) + strain
         positions = positions @ deformation
@@ -279,7 +299,7 @@ class LeanPET:
         """Per-atom energies [N] (eV, float64: PET's FP32 output, scaled and offset in
         float64) and the largest neighbour count (0-d tensor); see :meth:`neighbour_table`
         for the arguments."""
-        batch, most = self.neighbour_table(positions, strain, cell, numbers)
+        batch, most = self.neighbour_table(positions, strain, cell, numbers, self.columns)
         nodes, edges = self.backend.calculate_features(batch)
         system = torch.zeros(positions.shape[0], dtype=torch.long, device=positions.device)
         predictions = self.backend.predict(nodes, edges, batch, cell[None], system, ["energy"])[0]["energy"][0][:, 0]
@@ -310,14 +330,15 @@ class LeanPET:
         cell = torch.from_numpy(atoms.cell.array).to(self.device, self.dtype)
         numbers = torch.from_numpy(atoms.numbers).to(self.device, torch.long)
         if self.width == 0:  # first call: size the table from the neighbour counts
-            self.width = 8
+            self._set_width(8)  # not 1: the compiler would specialise a length of 1
             with torch.enable_grad():  # the step's grad mode: with compile=True, no second compilation
-                most = int(self.neighbour_table(positions, torch.zeros_like(cell), cell, numbers)[1])
-            self.width = _round_up(most + 4, 8)
+                most = int(self.neighbour_table(positions, torch.zeros_like(cell), cell, numbers, self.columns)[1])
+            self._set_width(most + MARGIN)
         out = self._evaluate(positions, cell, numbers, stress)
         most = int(out["most"])
         if most > self.width:  # an atom outgrew the table: widen it and redo the step
-            self.width, self._graph = _round_up(most + 4, 8), None
+            self._set_width(most + MARGIN)
+            self.widenings += 1
             out = self._evaluate(positions, cell, numbers, stress)  # the counts do not depend on the width
         results = {
             "energy": float(out["energy"]),

@@ -36,7 +36,8 @@ from ase_tcfp32.validation.common import environment
 def time_steps(model, precision: str, atoms, steps: int, compile: bool, engine: str = "metatomic",
                low_memory: bool = False, skin: float = 2.0, warmup: int = 3) -> dict:  # fmt: skip
     """Median and minimum ms per MD step and peak GPU memory (GB) of one configuration;
-    the first call's time (compilation and graph recording included) separately."""
+    the first call's time (compilation and graph recording included) separately; for the
+    lean engines the neighbour table's final width, its widenings and the pair-list builds."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         calc = TCPETCalculator(model, precision=precision, device="cuda", compile=compile, low_memory=low_memory,
@@ -53,8 +54,11 @@ def time_steps(model, precision: str, atoms, steps: int, compile: bool, engine: 
         dyn.run(1)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return {"ms": 1000 * float(np.median(times[warmup:])), "ms_min": 1000 * float(np.min(times[warmup:])),
-            "first_s": times[0], "peak_GB": torch.cuda.max_memory_allocated() / 1e9}  # fmt: skip
+    row = {"ms": 1000 * float(np.median(times[warmup:])), "ms_min": 1000 * float(np.min(times[warmup:])),
+           "first_s": times[0], "peak_GB": torch.cuda.max_memory_allocated() / 1e9}  # fmt: skip
+    if calc._lean is not None:  # the lean engines' neighbour table and Verlet list
+        row.update(table_width=calc._lean.width, widenings=calc._lean.widenings, pair_rebuilds=calc._lean.rebuilds)
+    return row
 
 
 def add_speedups(rows: list[dict]) -> None:

@@ -8,7 +8,7 @@ from ase.md.verlet import VelocityVerlet
 from ase.units import fs
 
 from ase_tcfp32 import TCPETCalculator
-from ase_tcfp32.lean import LeanPET
+from ase_tcfp32.lean import MARGIN, LeanPET
 from ase_tcfp32.models import load_pet
 
 
@@ -77,13 +77,19 @@ def test_neighbour_table_widens_when_atoms_crowd_in(tiny_ckpt, water):
     water.calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine="lean")
     water.get_forces()
     lean = water.calc._lean
-    width = lean.width
-    lean.width = 8  # as if the table had been sized for a sparser configuration
+    most = int(lean.neighbour_table(*_inputs(water), lean.columns)[1])
+    assert lean.width == most + MARGIN and lean.widenings == 0
+    lean._set_width(8)  # as if the table had been sized for a sparser configuration
     water.calc.reset()
     water.get_forces()
-    assert lean.width > 8
+    assert lean.width == most + MARGIN and lean.widenings == 1
     _agree(water, tiny_ckpt)
-    assert width % 8 == 0
+
+
+def _inputs(atoms):
+    """positions, strain, cell, numbers of ``atoms`` as the lean engine's tensors (CPU)."""
+    cell = torch.tensor(atoms.cell.array, dtype=torch.float32)
+    return torch.tensor(atoms.positions, dtype=torch.float32), torch.zeros_like(cell), cell, torch.tensor(atoms.numbers)
 
 
 def test_lean_rejects_models_it_cannot_evaluate_exactly(tiny_ckpt):
@@ -111,10 +117,13 @@ def test_compiled_lean_engine_matches_eager(tiny_ckpt, water):
     compiled = water.copy()
     compiled.calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine="lean", compile=True)
     assert np.abs(compiled.get_forces() - eager.results["forces"]).max() <= 3e-5  # fused ops: FP32 reordering
-    compiled.positions[0] += 0.05  # moved atoms: no recompilation needed, same agreement
+    compiled.positions[0] += 0.05  # moved atoms, and a table widened: no recompilation
+    compiled.calc._lean._set_width(8)
     moved = compiled.copy()
     moved.calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine="lean")
-    assert np.abs(compiled.get_forces() - moved.get_forces()).max() <= 3e-5
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert np.abs(compiled.get_forces() - moved.get_forces()).max() <= 3e-5
+    assert compiled.calc._lean.widenings == 1
 
 
 def test_lean_matches_metatomic_in_float64(water):
