@@ -20,13 +20,14 @@ the one schedule ptxas does not serialise (``docs/kernel_notes.md``).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from . import autotune
 from .gluon_gemm import descriptor, load_stage, ring, tile_offsets, tma_ready
@@ -47,16 +48,17 @@ def _pow2_scales(amax):
 def _split(x_s, a_layout: gl.constexpr, rows_layout: gl.constexpr):
     """A K-tile of x as the products use it: ``x = 2^-a (hi + lo)`` in FP16 with one power
     of two ``2^a`` per row; returns ``hi``, ``lo``, ``hi_c`` (``hi`` for the product with
-    ``w_lo``) and ``2^-a``. Inf inputs drop their corrections, NaN inputs reach the tile
-    through ``hi``."""
+    ``w_lo``) and ``2^-a``. Inf and NaN inputs reach the tile through ``hi * w_hi``; their
+    corrections are made finite by clamps that never bind on finite inputs (``|x - hi| <=
+    8`` at this scale; ``maximum`` returns its non-NaN operand), so they change no
+    non-finite result (two instructions per element fewer than selects)."""
     x = x_s.load(a_layout)
     up, down = _pow2_scales(gl.max(gl.abs(x), axis=1))
     x = x * gl.expand_dims(up, 1)
     hi = x.to(gl.float16)
-    rest = x - hi.to(gl.float32)
-    finite = rest == rest  # x - hi is NaN exactly for Inf and NaN inputs
-    lo = gl.where(finite, rest, 0.0).to(gl.float16)
-    hi_c = gl.where(finite, hi, gl.zeros_like(hi))
+    lo = gl.maximum(x - hi.to(gl.float32), -16.0).to(gl.float16)
+    largest = gl.full(hi.shape, 65504.0, gl.float16, a_layout)
+    hi_c = gl.minimum(gl.maximum(hi, -largest), largest)
     return hi, lo, hi_c, gl.convert_layout(down, rows_layout)
 
 
@@ -88,12 +90,13 @@ def _loader(x_desc, hi_desc, lo_desc, xs, his, los, ready, empty, M, N, GROUP_M:
 
 @gluon.jit
 def _fp16x3_consumer(
-    xs, his, los, ready, empty, y_ptr, scale_ptr, bias_ptr, M, N, num_k, stride_ym,
+    xs, his, los, ready, empty, ys, y_desc, scale_ptr, bias_ptr, M, N, num_k,
     HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroups: for each output tile the K loop of :func:`_split` and :func:`_issue`, where
     each K-tile's accumulator joins the FP32 sum (times its rows' ``2^-a``) while the next
-    K-tile's products run; then ``acc * scale (+ bias)`` stored from registers."""
+    K-tile's products run; then ``acc * scale (+ bias)`` goes to shared memory ``ys``, from
+    where a TMA store writes it out while the next tile's K loop runs."""
     BM: gl.constexpr = xs.shape[1]
     BN: gl.constexpr = his.shape[1]
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16])
@@ -127,27 +130,31 @@ def _fp16x3_consumer(
         mbarrier.arrive(empty.index(it % STAGES), count=1)
         it += 1
         acc = acc + prev * gl.expand_dims(down, 1)
-        rows = off_m + gl.arange(0, BM, layout=rows_layout)
         cols = off_n + gl.arange(0, BN, layout=cols_layout)
         acc = acc * gl.expand_dims(gl.load(scale_ptr + cols, mask=cols < N, other=0.0), 0)
         if HAS_BIAS:
             acc = acc + gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0), 0)
-        mask = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
-        gl.store(y_ptr + gl.expand_dims(rows.to(gl.int64) * stride_ym, 1) + gl.expand_dims(cols, 0), acc, mask=mask)
+        tma.store_wait(pendings=0)  # the previous tile has left ys (TMA clips rows, columns past M, N)
+        gl.thread_barrier()
+        ys.store(acc)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(y_desc, [off_m, off_n], ys)
+    tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def _fp16x3_kernel(
-    x_desc, hi_desc, lo_desc, y_ptr, scale_ptr, bias_ptr, M, N, stride_ym,
+    x_desc, hi_desc, lo_desc, y_desc, scale_ptr, bias_ptr, M, N,
     HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """``y = (x @ w^T) * scale (+ bias)``: one program per SM walks the output tiles; a
     producer warp streams their K-tiles (x in FP32, the weight's FP16 words) through a
-    ``STAGES``-deep TMA ring, two consumer warpgroups compute and store."""
+    ``STAGES``-deep TMA ring, two consumer warpgroups compute, and TMA stores the tiles."""
     xs, his, los, ready, empty = ring(x_desc, hi_desc, lo_desc, STAGES)
+    ys = gl.allocate_shared_memory(gl.float32, y_desc.block_type.shape, y_desc.layout)
     num_k = gl.cdiv(x_desc.shape[1], x_desc.block_type.shape[1])
     gl.warp_specialize(
-        [(_fp16x3_consumer, (xs, his, los, ready, empty, y_ptr, scale_ptr, bias_ptr, M, N, num_k, stride_ym,
+        [(_fp16x3_consumer, (xs, his, los, ready, empty, ys, y_desc, scale_ptr, bias_ptr, M, N, num_k,
                               HAS_BIAS, GROUP_M, STAGES, num_warps)),
          (_loader, (x_desc, hi_desc, lo_desc, xs, his, los, ready, empty, M, N, GROUP_M, STAGES))],
         [1], [24],
@@ -155,13 +162,16 @@ def _fp16x3_kernel(
 
 
 CONFIG = dict(BM=128, BN=128, BK=32, STAGES=4, GROUP_M=8, num_warps=8)
-"""Tile shape and pipeline depth (4 stages of 32 KiB). Measured alternatives within a few
-per cent of it, none ahead in every run: 6 stages, BK=64 with 3 stages, BM=64 with two CTAs
-per SM; BK=16 is 5-10% slower (``docs/kernel_notes.md``)."""
+"""Tile shape and pipeline depth (4 stages of 32 KiB, and 64 KiB for the output tile).
+Measured alternatives within a few per cent of it, none ahead in every run: 6 stages (before
+the output went through shared memory), BK=64 with 3 stages, BM=64 with two CTAs per SM;
+BK=16 is 5-10% slower (``docs/kernel_notes.md``)."""
 
-CANDIDATES = [CONFIG, dict(CONFIG, STAGES=3), dict(CONFIG, STAGES=6), dict(CONFIG, BN=64)]
+CANDIDATES = [CONFIG, dict(CONFIG, STAGES=3), dict(CONFIG, STAGES=5)]
 """What :mod:`.autotune` tries per weight shape: :data:`CONFIG` first, all with its K-tile
-(which fixes the per-row scales and the order of the sums, so the bits never change)."""
+(which fixes the per-row scales and the order of the sums, so the bits never change).
+Not a 64-column tile: tuned on 262,144 rows it won for N = K = 256, and was 20% slower than
+:data:`CONFIG` on PET's 700,000 (H200, session 10)."""
 
 
 class Words(NamedTuple):
@@ -205,18 +215,23 @@ def launch(x: torch.Tensor, w: Words, bias: torch.Tensor | None = None, config: 
     config = config or w.config
     m, k = x.shape
     _, n, kp = w.words.shape
-    y = torch.empty((m, n), device=x.device, dtype=torch.float32)
     if m == 0 or k == 0:
-        return y.zero_() if bias is None or m == 0 else y.copy_(bias.expand(m, n))
+        y = torch.zeros((m, n), device=x.device, dtype=torch.float32)
+        return y if bias is None else y.copy_(bias.expand(m, n))
+    y = torch.empty((m, triton.cdiv(n, 4) * 4), device=x.device, dtype=torch.float32)  # 16-byte rows for TMA
     bm, bn, bk = config["BM"], config["BN"], config["BK"]
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    _fp16x3_kernel[(min(tiles, sms),)](
+    _fp16x3_kernel[(min(tiles, _sms(x.device)),)](
         descriptor(tma_ready(x, kp), [bm, bk]), descriptor(w.words[0], [bn, bk]), descriptor(w.words[1], [bn, bk]),
-        y, w.scale, bias if bias is not None else y, m, n, y.stride(0),
+        descriptor(y, [bm, bn]), w.scale, bias if bias is not None else y, m, n,
         HAS_BIAS=bias is not None, STAGES=config["STAGES"], GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
     )  # fmt: skip
-    return y
+    return y if y.shape[1] == n else y[:, :n].contiguous()
+
+
+@functools.cache
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class Fp16x3Backend:
