@@ -9,13 +9,14 @@ sum with one multiply-add by the rows' ``2^-a``; the weight's scale is undone at
 FP16 tensor cores run twice as fast as TF32 ones, so the three products cost what 1.5
 TF32 passes would; the per-row scaling keeps FP32's exponent range.
 
-Measured on H200 (``benchmarks/gemm.py``, ``docs/performance.md``): 2.25-2.5x cuBLAS FP32
-on the large 17,280-atom PET-S layers and 2.1-3.1x on PET-M, forward and backward, at
-0.2-0.4x its error vs FP64; the Triton tf32x3 kernel 1.65-2.1x in the same run. The kernel
-is persistent and warp specialised: a TMA producer warp streams x (FP32) and the weight's
-words through a ring, while two consumer warpgroups split K-tile k in registers while the
-products of k - 1 run, then add k - 1 to the FP32 sum with no wgmma in flight and issue k:
-the one schedule ptxas does not serialise (``docs/kernel_notes.md``).
+Measured on H200 (``benchmarks/gemm.py``, ``docs/performance.md``): 2.50-3.48x cuBLAS FP32
+on the 17,280-atom PET-S layers and 2.56-3.58x on PET-M, forward and backward, at 0.2-0.4x
+its error vs FP64; the Triton tf32x3 kernel 1.6-2.3x in the same run. The kernel is
+persistent and warp specialised: a TMA producer warp streams x (FP32) and the weight's
+words through a ring; two consumer warpgroups split K-tile k in registers, add the
+products of k - 1 to the FP32 sum with no wgmma in flight (the one schedule ptxas does
+not serialise) and issue k; each finished output tile leaves through shared memory and a
+TMA store that runs during the next tile (``docs/kernel_notes.md``).
 """
 
 from __future__ import annotations
