@@ -21,6 +21,7 @@ modes (:func:`min_rows`).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -197,9 +198,14 @@ def min_rows(n: int, k: int, device: torch.device) -> int:
     if device.type != "cuda":
         return 0
     config = tile_config(n, k)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
     tiles_n = triton.cdiv(n, config["BN"])
-    return (triton.cdiv(sms, 2 * tiles_n) - 1) * config["BM"] + 1
+    return (triton.cdiv(sm_count(device), 2 * tiles_n) - 1) * config["BM"] + 1
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (asked once per device)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _has_tma(device: torch.device) -> bool:
