@@ -3,6 +3,7 @@
 from .calculator import TCPETCalculator
 from .layers import TCLinear, restore_linear_layers, swap_linear_layers, tc_linear
 from .models import ModelDownloadError, known_models, load_pet
+from .watchdog import PrecisionWarning
 from .precision import (
     PRECISIONS,
     EmulationWarning,
@@ -17,6 +18,7 @@ __all__ = [
     "PRECISIONS",
     "EmulationWarning",
     "ModelDownloadError",
+    "PrecisionWarning",
     "TCLinear",
     "TCPETCalculator",
     "UnsupportedPrecisionError",

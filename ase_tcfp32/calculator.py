@@ -19,6 +19,7 @@ from ase.calculators.calculator import Calculator, PropertyNotImplementedError, 
 from ase.data import chemical_symbols
 from ase.stress import full_3x3_to_voigt_6_stress
 
+from . import watchdog
 from .compilation import compile_backend
 from .layers import EMULATED, swap_linear_layers
 from .lean import LeanPET
@@ -84,6 +85,11 @@ class TCPETCalculator(Calculator):
         no per-step host round trips; see :mod:`ase_tcfp32.lean`) or ``"graphs"``
         (``"lean"`` recorded as a CUDA graph per neighbour-table size and replayed;
         CUDA only). All three give the same results to FP32 rounding.
+    :param check_accuracy: the accuracy watchdog (:mod:`ase_tcfp32.watchdog`): every N-th
+        evaluation, starting with the first, checks sampled rows of every emulated layer
+        against FP64 and warns (:class:`ase_tcfp32.PrecisionWarning`) where the emulated
+        error exceeds FP32's several times over. Default ``$ASE_TCFP32_CHECK_ACCURACY``,
+        else :data:`ase_tcfp32.watchdog.CALCULATOR_EVERY`; 0 turns it off.
 
     Units: energy eV, forces eV/Å, stress eV/Å³ in Voigt order (xx, yy, zz, yz, xz, xy),
     positive under tension. Stress needs periodicity in all three directions.
@@ -103,10 +109,12 @@ class TCPETCalculator(Calculator):
         compile: bool = False,
         low_memory: bool = False,
         engine: str = "metatomic",
+        check_accuracy: int | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
         check_name(precision)
+        self.check_accuracy = watchdog.check_every(check_accuracy, watchdog.CALCULATOR_EVERY)
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}: use one of {', '.join(ENGINES)}")
         if engine == "graphs" and low_memory:
@@ -127,7 +135,7 @@ class TCPETCalculator(Calculator):
         dtype = next(self.pet.parameters()).dtype
         if self.precision != "fp32" and dtype != torch.float32:
             raise ValueError(f"precision {self.precision!r} needs a float32 model, this one is {dtype}")
-        swap_linear_layers(self.pet, self.precision, emulate=emulate)
+        swap_linear_layers(self.pet, self.precision, emulate=emulate, check_accuracy=self.check_accuracy)
         self.low_memory = low_memory
         if low_memory:
             recompute_gnn_layers(self.pet)
@@ -149,7 +157,8 @@ class TCPETCalculator(Calculator):
                 neighbor_skin=neighbor_skin,
             )
         else:
-            self._lean = LeanPET(self.pet, self.device, neighbor_skin, cuda_graphs=engine == "graphs", compile=compile)
+            self._lean = LeanPET(self.pet, self.device, neighbor_skin, cuda_graphs=engine == "graphs", compile=compile,
+                                 check_every=self.check_accuracy)  # fmt: skip
         if isinstance(model, torch.nn.Module):
             self.model_name = self.pet.metadata.name or type(model).__name__
         else:
@@ -210,14 +219,14 @@ class TCPETCalculator(Calculator):
         # forces come with every call (ASE caches them for the next get_forces);
         # stress too for 3D-periodic systems, where MetatomicCalculator adds it itself.
         if self._lean is not None:
-            with ieee_fp32_matmul():
+            with ieee_fp32_matmul(), watchdog.deferred():
                 results = self._lean.compute(self.atoms, stress=bool(self.atoms.pbc.all()))
             if "stress" in results:
                 results["stress"] = full_3x3_to_voigt_6_stress(results["stress"])
             self.results = results
         else:
             wanted = ["energy", "forces"] + (["energies"] if "energies" in properties else [])
-            with ieee_fp32_matmul():
+            with ieee_fp32_matmul(), watchdog.deferred():
                 self._metatomic.calculate(self.atoms, wanted, system_changes)
             self.results = dict(self._metatomic.results)
         self.results["free_energy"] = self.results["energy"]

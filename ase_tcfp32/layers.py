@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from . import watchdog
 from .kernels import get_backend
 from .precision import PRECISIONS, check_name
 
@@ -35,10 +36,25 @@ _ids = itertools.count()
 
 
 def _split(weight: torch.Tensor, precision: str, emulate: str | None, layer: int, device: torch.device):
-    """The backend and the weight's split: the layer's cached one, or made now (layer < 0)."""
+    """The backend, the weight's split (the layer's cached one, or made now for layer < 0)
+    and the layer (None for layer < 0)."""
     backend = get_backend(precision, device, emulate)
     owner = _LAYERS[layer]() if layer >= 0 else None
-    return backend, (owner.prepared_weight(device) if owner is not None else backend.prepare(weight))
+    return backend, (owner.prepared_weight(device) if owner is not None else backend.prepare(weight)), owner
+
+
+def _forward(backend, prepared, owner, x, weight, bias):
+    y = backend.forward(x, prepared, bias)
+    if owner is not None:
+        watchdog.watch(owner, "forward", x, weight, bias, y)
+    return y
+
+
+def _grad_input(backend, prepared, owner, grad_y, weight):
+    grad_x = backend.grad_input(grad_y, prepared)
+    if owner is not None:
+        watchdog.watch(owner, "input gradient", grad_y, weight.T, None, grad_x)
+    return grad_x
 
 
 @torch.library.custom_op("ase_tcfp32::linear", mutates_args=())
@@ -46,8 +62,7 @@ def _linear_op(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, precision: str, emulate: str | None, layer: int
 ) -> torch.Tensor:
     """``x [M, K] @ weight.T + bias`` -> [M, N] in ``precision``; opaque to ``torch.compile``."""
-    backend, prepared = _split(weight, precision, emulate, layer, x.device)
-    return backend.forward(x, prepared, bias)
+    return _forward(*_split(weight, precision, emulate, layer, x.device), x, weight, bias)
 
 
 @torch.library.custom_op("ase_tcfp32::linear_grad_input", mutates_args=())
@@ -55,8 +70,7 @@ def _linear_grad_input_op(
     grad_y: torch.Tensor, weight: torch.Tensor, precision: str, emulate: str | None, layer: int
 ) -> torch.Tensor:
     """``grad_y [M, N] @ weight`` -> [M, K] in ``precision``: the input gradient."""
-    backend, prepared = _split(weight, precision, emulate, layer, grad_y.device)
-    return backend.grad_input(grad_y, prepared)
+    return _grad_input(*_split(weight, precision, emulate, layer, grad_y.device), grad_y, weight)
 
 
 @_linear_op.register_fake
@@ -97,15 +111,15 @@ class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, precision, emulate, layer):
-        ctx.backend, ctx.prepared = _split(weight, precision, emulate, layer, x.device)
-        ctx.save_for_backward(x if weight.requires_grad else None)
-        return ctx.backend.forward(x, ctx.prepared, bias)
+        ctx.split = _split(weight, precision, emulate, layer, x.device)
+        ctx.save_for_backward(x if weight.requires_grad else None, weight)
+        return _forward(*ctx.split, x, weight, bias)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y):
-        (x,) = ctx.saved_tensors
-        return _grads(ctx.needs_input_grad, grad_y, x, lambda g: ctx.backend.grad_input(g, ctx.prepared))
+        x, weight = ctx.saved_tensors
+        return _grads(ctx.needs_input_grad, grad_y, x, lambda g: _grad_input(*ctx.split, g, weight))
 
 
 def _linear(input, weight, bias, precision: str, emulate: str | None, layer: int) -> torch.Tensor:
@@ -153,10 +167,13 @@ class TCLinear(nn.Linear):
         *,
         precision: str = "tf32x3",
         emulate: str | None = None,
+        check_accuracy: int | None = None,
     ):
         super().__init__(in_features, out_features, bias, device, dtype)
         self.precision = precision
         self.emulate = emulate
+        self.name = ""
+        self.check_accuracy = watchdog.check_every(check_accuracy)
         self._register()
 
     def _register(self) -> None:
@@ -164,6 +181,8 @@ class TCLinear(nn.Linear):
         self._layer_id = next(_ids)
         self._cache_key: tuple | None = None
         self._prepared: object | None = None
+        self._calls: dict[str, int] = {}  # calls per direction, for the watchdog
+        self._warned = False
         _LAYERS[self._layer_id] = weakref.ref(self, lambda _, i=self._layer_id: _LAYERS.pop(i, None))
 
     def __setstate__(self, state: dict) -> None:  # copies (deepcopy, pickle) get their own id
@@ -191,14 +210,18 @@ class TCLinear(nn.Linear):
         self._cache_key = None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, precision: str, emulate: str | None = None) -> "TCLinear":
-        """A TCLinear sharing ``linear``'s parameters (no copy)."""
+    def from_linear(cls, linear: nn.Linear, precision: str, emulate: str | None = None,
+                    check_accuracy: int | None = None, name: str = "") -> "TCLinear":  # fmt: skip
+        """A TCLinear sharing ``linear``'s parameters (no copy); ``name`` appears in the
+        watchdog's warnings."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.in_features, layer.out_features = linear.in_features, linear.out_features
         layer.weight, layer.bias = linear.weight, linear.bias
         layer.precision = precision
         layer.emulate = emulate
+        layer.name = name
+        layer.check_accuracy = watchdog.check_every(check_accuracy)
         layer._register()
         return layer
 
@@ -227,10 +250,14 @@ class TCLinear(nn.Linear):
         return f"{super().extra_repr()}, precision={self._precision}{emulate}"
 
 
-def swap_linear_layers(module: nn.Module, precision: str, *, emulate: str | None = None) -> list[str]:
+def swap_linear_layers(module: nn.Module, precision: str, *, emulate: str | None = None,
+                       check_accuracy: int | None = None) -> list[str]:  # fmt: skip
     """Make every Linear layer of ``module`` compute in ``precision``; return their names.
 
     ``emulate`` runs the layers through the tensor-core model of that GPU (CPU only).
+    ``check_accuracy=N`` checks every N-th call of each layer against FP64
+    (:mod:`ase_tcfp32.watchdog`; default ``$ASE_TCFP32_CHECK_ACCURACY``, else off); single-pass
+    ``"tf32"`` is never checked (it is not FP32-accurate by design).
 
     Exact ``nn.Linear`` layers become :class:`TCLinear` (sharing parameters) and
     existing TCLinear layers change precision; ``"fp32"`` turns them all back into
@@ -239,6 +266,9 @@ def swap_linear_layers(module: nn.Module, precision: str, *, emulate: str | None
     embedder) stay FP32. Subclasses of ``nn.Linear`` other than TCLinear are left alone.
     """
     check_name(precision, allow_auto=False)
+    every = watchdog.check_every(check_accuracy)
+    if precision == "tf32" and check_accuracy:
+        raise ValueError("check_accuracy checks the FP32-accurate precisions; tf32 is ~1e-4 accurate by design")
     changed = []
     for name, child in list(module.named_modules()):
         keep_fp32 = precision == "fp32" or (
@@ -248,10 +278,10 @@ def swap_linear_layers(module: nn.Module, precision: str, *, emulate: str | None
             if keep_fp32:
                 _set_submodule(module, name, child.to_linear())
             else:
-                child.precision, child.emulate = precision, emulate
+                child.precision, child.emulate, child.name, child.check_accuracy = precision, emulate, name, every
             changed.append(name)
         elif type(child) is nn.Linear and not keep_fp32:
-            _set_submodule(module, name, TCLinear.from_linear(child, precision, emulate))
+            _set_submodule(module, name, TCLinear.from_linear(child, precision, emulate, every, name))
             changed.append(name)
     return changed
 

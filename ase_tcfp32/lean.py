@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from ase import Atoms
 
+from . import watchdog
 from .compilation import compiled
 
 _FAR = 1.0e6
@@ -157,10 +158,13 @@ class LeanPET:
     :param cuda_graphs: record each step as a CUDA graph and replay it (CUDA only).
     :param compile: run :meth:`neighbour_table` (adaptive cutoffs included) through
         ``torch.compile``; the model's own stages are compiled by the calculator.
+    :param check_every: with ``cuda_graphs``, every this many evaluations (the first
+        included) run eagerly with every watched layer checked (:mod:`ase_tcfp32.watchdog`:
+        a replayed graph runs no Python); 0: never.
     """
 
     def __init__(self, pet: torch.nn.Module, device: torch.device, skin: float = 2.0, cuda_graphs: bool = False,
-                 compile: bool = False):  # fmt: skip
+                 compile: bool = False, check_every: int = 0):  # fmt: skip
         from metatrain.pet.modules import adaptive_cutoff, utilities
 
         reason = unsupported_reason(pet)
@@ -179,6 +183,8 @@ class LeanPET:
         self.columns = torch.arange(0, device=device)  # [J]: the neighbour table's columns
         self.rebuilds = 0
         self.widenings = 0
+        self.evaluations = 0
+        self.check_every = check_every
         self._graph: _Graph | None = None
         self._nl_device = device
         self._far = torch.tensor([_FAR, 0.0, 0.0], device=device, dtype=self.dtype)  # here: no host copy in a graph
@@ -351,8 +357,13 @@ class LeanPET:
 
     def _evaluate(self, positions, cell, numbers, stress: bool) -> dict:
         """One step: eager, or through the recorded graph (recorded first if needed)."""
+        due = self.check_every and self.evaluations % self.check_every == 0
+        self.evaluations += 1
         if not self.cuda_graphs:
             return self._step(positions, cell, numbers, stress)
+        if due:  # the watchdog's turn: the same step, eagerly, every layer checked
+            with watchdog.check_all():
+                return self._step(positions, cell, numbers, stress)
         if self._graph is None or self._graph.stress != stress:
             self._graph = None  # its memory goes before the next one is recorded
             torch.cuda.synchronize(self.device)

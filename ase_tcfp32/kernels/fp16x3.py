@@ -30,6 +30,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from . import autotune
+from .context import on_device
 from .gluon_gemm import descriptor, load_stage, ring, tile_offsets, tma_ready
 from .split import split_fp16x3
 from .triton_gemm import min_rows, sm_count
@@ -221,11 +222,12 @@ def launch(x: torch.Tensor, w: Words, bias: torch.Tensor | None = None, config: 
     y = torch.empty((m, triton.cdiv(n, 4) * 4), device=x.device, dtype=torch.float32)  # 16-byte rows for TMA
     bm, bn, bk = config["BM"], config["BN"], config["BK"]
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    _fp16x3_kernel[(min(tiles, sm_count(x.device)),)](
-        descriptor(tma_ready(x, kp), [bm, bk]), descriptor(w.words[0], [bn, bk]), descriptor(w.words[1], [bn, bk]),
-        descriptor(y, [bm, bn]), w.scale, bias if bias is not None else y, m, n,
-        HAS_BIAS=bias is not None, STAGES=config["STAGES"], GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
-    )  # fmt: skip
+    with on_device(x.device):
+        _fp16x3_kernel[(min(tiles, sm_count(x.device)),)](
+            descriptor(tma_ready(x, kp), [bm, bk]), descriptor(w.words[0], [bn, bk]), descriptor(w.words[1], [bn, bk]),
+            descriptor(y, [bm, bn]), w.scale, bias if bias is not None else y, m, n,
+            HAS_BIAS=bias is not None, STAGES=config["STAGES"], GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
+        )  # fmt: skip
     return y if y.shape[1] == n else y[:, :n].contiguous()
 
 

@@ -33,6 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .context import on_device
 from .triton_gemm import Gemm, TritonBackend, _split_tf32, tile_config
 
 
@@ -244,10 +245,11 @@ def launch(x: torch.Tensor, gemm: Gemm, bias: torch.Tensor | None = None, config
     y_desc = descriptor(y, [bm, bn])
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     kernel = _tf32x3_ws_kernel if config["WS"] else _tf32x3_kernel
-    kernel[grid](
-        x_desc, hi_desc, lo_desc, y_desc, bias if bias is not None else y, m, n,
-        HAS_BIAS=bias is not None, STAGES=config["STAGES"], GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
-    )  # fmt: skip
+    with on_device(x.device):
+        kernel[grid](
+            x_desc, hi_desc, lo_desc, y_desc, bias if bias is not None else y, m, n,
+            HAS_BIAS=bias is not None, STAGES=config["STAGES"], GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
+        )  # fmt: skip
     return y[:, :n]
 
 

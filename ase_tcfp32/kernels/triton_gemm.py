@@ -30,6 +30,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import autotune
+from .context import on_device
 from .split import round_tf32, split_bf16x3
 
 @triton.jit
@@ -232,11 +233,12 @@ def launch(x: torch.Tensor, gemm: Gemm, bias: torch.Tensor | None = None) -> tor
     if tma:
         x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [config["BM"], config["BK"]])
     grid = (triton.cdiv(m, config["BM"]) * gemm.tiles_n,)
-    _linear_kernel[grid](
-        x, x_desc, gemm.words, gemm.descriptor if tma else None, bias if bias is not None else y, y,
-        m, n, k, kp, x.stride(0), y.stride(0),
-        WORDS=words, TMA=tma, HAS_BIAS=bias is not None, **config,
-    )  # fmt: skip
+    with on_device(x.device):
+        _linear_kernel[grid](
+            x, x_desc, gemm.words, gemm.descriptor if tma else None, bias if bias is not None else y, y,
+            m, n, k, kp, x.stride(0), y.stride(0),
+            WORDS=words, TMA=tma, HAS_BIAS=bias is not None, **config,
+        )  # fmt: skip
     return y
 
 

@@ -1,0 +1,108 @@
+"""The accuracy watchdog (ase_tcfp32.watchdog) on CPU: the reference emulation computes
+the GPU kernels' arithmetic, so what it flags there the kernels flag too."""
+
+import warnings
+
+import pytest
+import torch
+
+from ase_tcfp32 import PrecisionWarning, TCPETCalculator, swap_linear_layers
+from ase_tcfp32.watchdog import FACTOR, FLOOR, errors
+from helpers import fp32_in_order
+
+
+def outlier_inputs(seed=0):
+    """x [64, 256] with an entry 1e8 in every 32-column K-tile, whose weight column is
+    zero: the exact products ignore it, but it sets the tile's scale in fp16x3."""
+    g = torch.Generator().manual_seed(seed)
+    layer = torch.nn.Linear(256, 128)
+    x = torch.randn(64, 256, generator=g)
+    with torch.no_grad():
+        layer.weight[:, ::32] = 0.0
+    x[:, ::32] = 1e8
+    return torch.nn.Sequential(layer), x
+
+
+def caught(function):
+    with warnings.catch_warnings(record=True) as found:
+        warnings.simplefilter("always")
+        function()
+    return [w for w in found if issubclass(w.category, PrecisionWarning)]
+
+
+def test_fp16x3_outlier_raises_a_precision_warning_naming_the_layer():
+    model, x = outlier_inputs()
+    swap_linear_layers(model, "fp16x3", check_accuracy=1)
+    x.requires_grad_(True)
+    found = caught(lambda: model(x).sum().backward())
+    assert len(found) == 1  # once per layer
+    message = str(found[0].message)
+    assert "layer '0'" in message and "fp16x3" in message and "forward" in message
+    assert caught(lambda: model(x)) == []  # already reported
+
+
+def test_fp16x3_outlier_is_outside_fp32_accuracy_by_far():
+    """The measured gap the warning is for: hundreds of units 2^-24 against FP32's few
+    (FP32 summed in order: the same on every machine)."""
+    model, x = outlier_inputs()
+    swap_linear_layers(model, "fp16x3")
+    weight, bias = model[0].weight, model[0].bias
+    emulated = errors(x, weight, bias, model(x))[0].item()
+    fp32 = errors(x, weight, bias, fp32_in_order(x, weight) + bias)[0].item()
+    assert emulated > 300 and emulated > 20 * fp32
+
+
+@pytest.mark.parametrize("precision", ["tf32x3", "fp16x3", "bf16x9"])
+def test_ordinary_inputs_raise_nothing_and_the_check_can_fail(precision):
+    g = torch.Generator().manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(200, 300), torch.nn.SiLU(), torch.nn.Linear(300, 50))
+    swap_linear_layers(model, precision, check_accuracy=1)
+    x = torch.randn(500, 200, generator=g, requires_grad=True)
+    assert caught(lambda: model(x).sum().backward()) == []
+    # the same check on a result one FP32 rounding step per entry off fails
+    y = model[0](x).detach()
+    wrong = y + y.abs() * FACTOR * FLOOR * 2.0**-20
+    emulated, fp32 = errors(x.detach()[:8], model[0].weight, model[0].bias, wrong[:8]).tolist()
+    assert emulated > FACTOR * max(fp32, FLOOR)
+
+
+def test_environment_variable_sets_the_interval(monkeypatch):
+    model, x = outlier_inputs()
+    monkeypatch.setenv("ASE_TCFP32_CHECK_ACCURACY", "3")
+    swap_linear_layers(model, "fp16x3")
+    assert model[0].check_accuracy == 3
+    assert len(caught(lambda: model(x))) == 1  # the first call is checked
+    monkeypatch.setenv("ASE_TCFP32_CHECK_ACCURACY", "often")
+    with pytest.raises(ValueError, match="ASE_TCFP32_CHECK_ACCURACY must be a non-negative integer"):
+        swap_linear_layers(model, "fp16x3")
+
+
+def test_every_nth_call_is_checked():
+    model, x = outlier_inputs()
+    swap_linear_layers(model, "fp16x3", check_accuracy=4)
+    layer = model[0]
+    layer._calls["forward"] = 1  # the first call is past: the next three are not due
+    assert [len(caught(lambda: model(x))) for _ in range(4)] == [0, 0, 0, 1]
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, "7", True])
+def test_bad_intervals_are_refused(tiny_ckpt, value):
+    with pytest.raises(ValueError, match="check_accuracy must be a non-negative integer"):
+        TCPETCalculator(tiny_ckpt, device="cpu", precision="fp16x3", check_accuracy=value)
+
+
+def test_tf32_is_not_checked():
+    model, _ = outlier_inputs()
+    with pytest.raises(ValueError, match="tf32 is ~1e-4 accurate by design"):
+        swap_linear_layers(model, "tf32", check_accuracy=1)
+
+
+@pytest.mark.parametrize("engine", ["metatomic", "lean"])
+def test_calculator_checks_every_layer_and_stays_quiet_on_pet(tiny_ckpt, water, engine):
+    calc = TCPETCalculator(tiny_ckpt, device="cpu", precision="fp16x3", engine=engine, check_accuracy=1)
+    water.calc = calc
+    assert caught(water.get_forces) == []
+    layers = [m for m in calc.pet.modules() if hasattr(m, "check_accuracy")]
+    assert layers and all(m._calls["forward"] == 1 for m in layers)
+    backward = [m._calls.get("input gradient", 0) for m in layers]  # layers fed by positions
+    assert set(backward) == {0, 1} and sum(backward) > len(layers) // 2
