@@ -23,7 +23,7 @@ from . import watchdog
 from .compilation import compile_backend
 from .layers import EMULATED, swap_linear_layers
 from .lean import LeanPET
-from .models import load_pet, recompute_gnn_layers
+from .models import import_dependencies, load_pet, recompute_gnn_layers
 from .precision import check_name, ieee_fp32_matmul, resolve_precision, support
 from .tcmodel import tensor_core
 
@@ -147,6 +147,7 @@ class TCPETCalculator(Calculator):
         self.engine = engine
         self._lean, self._metatomic = None, None
         if engine == "metatomic":
+            import_dependencies(metatomic_ase=True)
             from metatomic_ase import MetatomicCalculator
 
             self._metatomic = MetatomicCalculator(

@@ -9,10 +9,16 @@ is used, and without one the error says how to pass a local checkpoint.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import os
 import re
+import socket
+import sys
+import tempfile
 import warnings
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 
@@ -43,13 +49,102 @@ class ModelDownloadError(RuntimeError):
     """A named model could not be downloaded and no cached copy exists."""
 
 
+@contextlib.contextmanager
+def _silenced_output():
+    """Send what is written to file descriptors 1 and 2 in the block (by Python or by a
+    library's C code) to a temporary file, shown only if the block raises."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        try:
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            yield
+        except BaseException:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[1], 2)
+            sink.seek(0)
+            sys.stderr.write(sink.read().decode(errors="replace"))
+            raise
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
+
+def import_dependencies(metatomic_ase: bool = False) -> None:
+    """Import the metatensor/metatomic/metatrain stack (and, when asked, metatomic-ase)
+    without the notes it prints while importing: torch.jit deprecation warnings from
+    metatensor's TorchScript code, and NVIDIA Warp's start-up banner (and, on machines
+    without CUDA, its "driver not found" warning) through metatomic-ase's neighbour-list
+    dependency. Imports that are already done cost nothing; the user's own warnings are
+    untouched (the filter holds only for these imports)."""
+    names = ["metatensor.torch", "metatomic.torch", "metatrain.pet", "metatrain.utils.io"]
+    names += ["metatomic_ase"] if metatomic_ase else []
+    if all(name in sys.modules for name in names):
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        for name in names:
+            if name in sys.modules:
+                continue
+            if name == "metatomic_ase":
+                with _silenced_output():
+                    __import__(name)
+            else:
+                __import__(name)
+
+
 def known_models() -> tuple[str, ...]:
-    """The model names accepted by :func:`load_pet`: the bundled ones, then uPET's list."""
-    try:
-        from upet._version import UPET_AVAILABLE_MODELS
-    except ImportError:
+    """The model names accepted by :func:`load_pet`: the bundled ones, then uPET's list
+    (read from upet's ``_version.py`` without importing upet, whose import starts NVIDIA
+    Warp and changes TorchScript's fusion strategy process-wide)."""
+    spec = importlib.util.find_spec("upet")
+    if spec is None or not spec.submodule_search_locations:
         return (*BUNDLED, *UPET_MODELS)
-    return (*BUNDLED, *UPET_AVAILABLE_MODELS)
+    path = Path(list(spec.submodule_search_locations)[0]) / "_version.py"
+    namespace: dict = {}
+    try:
+        exec(compile(path.read_text(), str(path), "exec"), namespace)  # a file of plain lists
+        return (*BUNDLED, *namespace["UPET_AVAILABLE_MODELS"])
+    except (OSError, KeyError, SyntaxError):
+        return (*BUNDLED, *UPET_MODELS)
+
+
+def hub_reachable(timeout: float = 1.5) -> bool:
+    """Whether the Hugging Face hub can be reached: False at once with ``HF_HUB_OFFLINE``
+    set, else a TCP connection to its host within ``timeout`` seconds (without this a
+    machine with no network waits ~25 s through the hub client's retries)."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _upet_imported_quietly():
+    """Import upet's download code (for a real download only) without its banner, and
+    undo the TorchScript fusion strategy its import sets for the whole process."""
+    strategy = torch.jit.set_fusion_strategy([("STATIC", 2), ("DYNAMIC", 10)])  # returns the current one
+    try:
+        import_dependencies()
+        with _silenced_output():
+            from upet import _models
+        yield _models
+    finally:
+        torch.jit.set_fusion_strategy(strategy)
 
 
 def bundled_checkpoint(name: str) -> Path:
@@ -87,15 +182,17 @@ def cached_checkpoints() -> dict[str, list[tuple[str, Path]]]:
 def _download(name: str, version: str) -> Path:
     base, _, size = name.rpartition("-")
     try:
-        from upet._models import _resolve_and_download_checkpoint
-    except ImportError as error:
-        raise ModelDownloadError(
-            f"downloading {name!r} needs the 'upet' package, which failed to import ({error}); "
-            "install it with `pip install upet`, or pass a local checkpoint path"
-        ) from error
-    try:
-        return Path(_resolve_and_download_checkpoint(base, size, version)[2])
-    except ValueError:  # upet's own message for an unknown version
+        if not hub_reachable():
+            raise ConnectionError("the Hugging Face hub cannot be reached (offline, or HF_HUB_OFFLINE is set)")
+        try:
+            with _upet_imported_quietly() as upet_models:
+                return Path(upet_models._resolve_and_download_checkpoint(base, size, version)[2])
+        except ImportError as error:
+            raise ModelDownloadError(
+                f"downloading {name!r} needs the 'upet' package, which failed to import ({error}); "
+                "install it with `pip install upet`, or pass a local checkpoint path"
+            ) from error
+    except (ValueError, ModelDownloadError):  # upet's own message for an unknown version
         raise
     except Exception as error:  # network, offline mode, hub errors
         cached = [(v, p) for v, p in cached_checkpoints().get(name, []) if version in ("latest", v)]
@@ -134,6 +231,7 @@ def resolve_checkpoint(model: str | os.PathLike, version: str = "latest") -> Pat
 
 
 def _read_checkpoint(path: Path) -> torch.nn.Module:
+    import_dependencies()
     from metatrain.utils.io import load_model
 
     try:
@@ -168,6 +266,7 @@ def load_pet(model: str | os.PathLike | torch.nn.Module, version: str = "latest"
     metatrain model (PET, LLPR-wrapped PET, or an unscripted ``AtomisticModel``).
     A module passed in is modified in place (heads dropped, parameters frozen).
     """
+    import_dependencies()
     if isinstance(model, torch.nn.Module):
         pet = _unwrap_pet(model)
     else:
@@ -234,6 +333,7 @@ def random_pet(shape: str = "tiny", *, seed: int = 0, atomic_types=tuple(range(1
     heads (energy, non-conservative force and stress). For tests and benchmarks of
     shapes and speed: its energies are not physical.
     """
+    import_dependencies()
     from metatrain.pet import PET
     from metatrain.utils.architectures import get_default_hypers
     from metatrain.utils.data import DatasetInfo

@@ -1,0 +1,146 @@
+"""What a user gets without knobs: the default calculator against the best configuration
+and FP32's defaults, per MD step and to the first step, in fresh processes.
+
+    python benchmarks/defaults.py [--systems s:64,s:5760,m:64] [--steps 30] [--out FILE.json]
+
+For each system (PET-MAD-shaped model with random weights : water molecules) and each
+configuration, a fresh Python process builds the calculator and runs ASE velocity Verlet
+(neighbour-list updates included). Each configuration runs twice: first with empty cache
+folders ("cold": ``ASE_TCFP32_CACHE``, ``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``
+all new, as on a fresh machine), then again with the caches the first run left ("warm": a
+second process on the same machine). Reported per row: the time from the start of the
+process's work (imports excluded) to the first completed MD step, and the median ms per
+step after it. Configurations: ``default`` (``TCPETCalculator(model)``), ``fp32-default``
+(``precision="fp32"``, nothing else), and the candidates for ``best`` (engines, compiled or
+not, in the default precision), of which the fastest steady step is marked ``best``.
+Compiled configurations also report torch's cache counters (FX graph and AOTAutograd cache
+hits, misses and bypasses): what a warm start still recompiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+CANDIDATES = {
+    "default": {},
+    "fp32-default": {"precision": "fp32"},
+    "metatomic": {"engine": "metatomic"},
+    "metatomic+compile": {"engine": "metatomic", "compile": True},
+    "lean": {"engine": "lean"},
+    "lean+compile": {"engine": "lean", "compile": True},
+    "graphs": {"engine": "graphs"},
+    "graphs+compile": {"engine": "graphs", "compile": True},
+}
+"""Calculator arguments per configuration name (``best`` is the fastest non-FP32 one)."""
+
+
+def child(shape: str, molecules: int, kwargs: dict, steps: int) -> dict:
+    """One configuration in this (fresh) process: seconds to the first MD step, median ms
+    per step after a few more, peak GPU memory and, when compiled, torch's cache counters."""
+    start = time.perf_counter()
+    import numpy as np
+    import torch
+    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
+    from ase.md.verlet import VelocityVerlet
+    from ase.units import fs
+
+    from ase_tcfp32 import TCPETCalculator
+    from ase_tcfp32.models import random_checkpoint
+    from ase_tcfp32.validation import water_box
+
+    imports = time.perf_counter() - start
+    model = random_checkpoint(shape)
+    start = time.perf_counter()
+    calc = TCPETCalculator(model, **kwargs)
+    atoms = water_box(molecules, seed=0)
+    atoms.calc = calc
+    MaxwellBoltzmannDistribution(atoms, temperature_K=300, rng=np.random.default_rng(0))
+    dyn = VelocityVerlet(atoms, 0.25 * fs)
+    dyn.run(1)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - start
+    dyn.run(3)
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dyn.run(1)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    row = {"precision": calc.precision, "engine": calc.engine, "compiled": calc.compiled, "repr": repr(calc),
+           "ms": 1000 * float(np.median(times)), "first_s": first, "imports_s": imports,
+           "peak_GB": torch.cuda.max_memory_allocated() / 1e9}  # fmt: skip
+    if calc.compiled:
+        from torch._dynamo.utils import counters
+
+        row["torch_cache"] = {k: dict(v) for k, v in counters.items() if k in ("inductor", "aot_autograd")}
+    return row
+
+
+def measure(shape: str, molecules: int, name: str, steps: int) -> dict:
+    """``name``'s row: a cold process (empty caches), then a warm one (same caches)."""
+    row = {"model": f"random-{shape}", "atoms": 3 * molecules, "config": name}
+    with tempfile.TemporaryDirectory(prefix="tcfp32-defaults-") as folder:
+        env = dict(os.environ, ASE_TCFP32_CACHE=f"{folder}/ase", TORCHINDUCTOR_CACHE_DIR=f"{folder}/inductor",
+                   TRITON_CACHE_DIR=f"{folder}/triton", PYTHONUNBUFFERED="1")  # fmt: skip
+        for run in ("cold", "warm"):
+            args = [sys.executable, __file__, "--child", json.dumps([shape, molecules, CANDIDATES[name], steps])]
+            done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=1800)
+            if done.returncode != 0:
+                row[f"error_{run}"] = done.stderr[-1500:]
+                break
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            row[f"first_s_{run}"] = result.pop("first_s")
+            row.update(result if run == "cold" else {"ms_warm": result["ms"], "torch_cache_warm": result.get("torch_cache")})
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--systems", default="s:64,s:5760,m:64", help="shape:water molecules, comma-separated")
+    parser.add_argument("--configs", default=",".join(CANDIDATES), help="comma-separated names of CANDIDATES")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(*json.loads(args.child))))
+        return
+    from ase_tcfp32.validation.common import environment
+
+    rows = []
+    print(f"{'model':>9} {'atoms':>6} {'config':>18} {'precision':>9} {'engine':>9} {'compiled':>8} {'ms':>8} "
+          f"{'cold s':>7} {'warm s':>7}")  # fmt: skip
+    for system in args.systems.split(","):
+        shape, molecules = system.split(":")
+        group = []
+        for name in args.configs.split(","):
+            row = measure(shape, int(molecules), name, args.steps)
+            group.append(row)
+            if "ms" in row:
+                print(f"{row['model']:>9} {row['atoms']:>6} {name:>18} {row['precision']:>9} {row['engine']:>9} "
+                      f"{str(row['compiled']):>8} {row['ms']:8.1f} {row['first_s_cold']:7.1f} "
+                      f"{row.get('first_s_warm', float('nan')):7.1f}", flush=True)  # fmt: skip
+            else:
+                print(f"{row['model']:>9} {row['atoms']:>6} {name:>18} failed: {row}", flush=True)
+        timed = [r for r in group if "ms" in r and r["precision"] != "fp32" and r["config"] not in ("default", "fp32-default")]
+        if timed:
+            best = min(timed, key=lambda r: r["ms"])
+            group.append(dict(best, config="best", candidate=best["config"]))
+            default = next((r for r in group if r["config"] == "default" and "ms" in r), None)
+            if default:
+                print(f"  default / best: {default['ms'] / best['ms']:.2f} ({best['config']})")
+        rows += group
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"environment": environment("cuda"), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
