@@ -10,6 +10,7 @@ stress by autograd) or through :mod:`ase_tcfp32.lean` (``engine="lean"`` or
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import numpy as np
@@ -54,8 +55,35 @@ def _check_emulation(emulate: str, precision: str, device) -> None:
         raise ValueError(f"emulate={emulate!r} runs the tensor-core model on CPU; pass device='cpu' or None")
 
 
-ENGINES = ("metatomic", "lean", "graphs")
+ENGINES = ("auto", "metatomic", "lean", "graphs")
 """How the calculator evaluates the model (see :class:`TCPETCalculator`)."""
+
+GRAPH_ATOMS = 5000
+"""``engine="auto"`` replays CUDA graphs for systems up to this many atoms. Small systems
+are bound by kernel launches, which a graph removes (192 water atoms, PET-S shape, fp16x3 on
+an H200: 8.5 ms per MD step against 68.9 ms through metatomic-ase); large ones keep the GPU
+busy anyway, and a graph would only hold its memory."""
+
+SMALL_SKIN, LARGE_SKIN = 2.0, 0.5
+"""``engine="auto"``'s Verlet skin (Å) below and above :data:`GRAPH_ATOMS` atoms: a graph's
+step costs its kernel count, not its pairs, and a wide skin rebuilds the list rarely; a
+large system pays for every candidate pair (17,280 water atoms: 2 Å holds ~2x the pairs of
+the cutoff sphere)."""
+
+
+def choose_engine(pet: torch.nn.Module, device: torch.device, low_memory: bool) -> tuple[str, str]:
+    """What ``engine="auto"`` runs for this model on ``device``, and why, in words."""
+    from .lean import unsupported_reason
+
+    reason = unsupported_reason(pet)
+    if reason is not None:
+        return "metatomic", f"the lean engine cannot evaluate this model ({reason})"
+    if device.type != "cuda":
+        return "lean", "the model on plain tensors: fewer host round trips than metatomic-ase on a CPU"
+    if low_memory:
+        return "lean", "low_memory=True: recomputed layers, no CUDA graphs"
+    return "lean", (f"CUDA graphs for systems up to {GRAPH_ATOMS} atoms (neighbour skin {SMALL_SKIN} Å), "
+                    f"plain launches above (skin {LARGE_SKIN} Å)")  # fmt: skip
 
 
 class TCPETCalculator(Calculator):
@@ -72,7 +100,8 @@ class TCPETCalculator(Calculator):
     :param emulate: a GPU name (``"A100"``, ``"H100"``, ``"B200"``... see
         :mod:`ase_tcfp32.tcmodel`): run every Linear layer on CPU through the bit-accurate
         model of that GPU's tensor cores (slow; for previews of small systems).
-    :param neighbor_skin: Verlet skin in Å of the cached neighbour lists.
+    :param neighbor_skin: Verlet skin in Å of the cached neighbour lists (default: 2 Å, or
+        with ``engine="auto"`` 2 Å for systems that replay CUDA graphs and 0.5 Å above).
     :param compile: run PET's tensor code through ``torch.compile`` (dynamic shapes, so
         moving atoms do not recompile; the first call compiles for tens of seconds).
         Fuses elementwise work and cuts kernel launches; the emulated GEMMs stay our
@@ -80,11 +109,13 @@ class TCPETCalculator(Calculator):
     :param low_memory: keep only each GNN layer's inputs for the backward pass and
         recompute the rest there (``torch.utils.checkpoint``): much less memory for
         forces on large systems, one extra forward pass of the GNN layers per step.
-    :param engine: ``"metatomic"`` (default: metatomic-ase's calculator around the
-        model), ``"lean"`` (the model on plain tensors: a Verlet list on the device,
-        no per-step host round trips; see :mod:`ase_tcfp32.lean`) or ``"graphs"``
-        (``"lean"`` recorded as a CUDA graph per neighbour-table size and replayed;
-        CUDA only). All three give the same results to FP32 rounding.
+    :param engine: ``"auto"`` (default: the fastest for the device and system, see
+        :func:`choose_engine`; ``repr(calc)`` says what it picked and why),
+        ``"metatomic"`` (metatomic-ase's calculator around the model), ``"lean"`` (the
+        model on plain tensors: a Verlet list on the device, no per-step host round trips;
+        see :mod:`ase_tcfp32.lean`) or ``"graphs"`` (``"lean"`` recorded as a CUDA graph
+        per neighbour-table size and replayed; CUDA only). All give the same results to
+        FP32 rounding.
     :param check_accuracy: the accuracy watchdog (:mod:`ase_tcfp32.watchdog`): every N-th
         evaluation, starting with the first, checks sampled rows of every emulated layer
         against FP64 and warns (:class:`ase_tcfp32.PrecisionWarning`) where the emulated
@@ -105,10 +136,10 @@ class TCPETCalculator(Calculator):
         precision: str = "auto",
         device: str | torch.device | None = None,
         emulate: str | None = None,
-        neighbor_skin: float = 2.0,
+        neighbor_skin: float | None = None,
         compile: bool = False,
         low_memory: bool = False,
-        engine: str = "metatomic",
+        engine: str = "auto",
         check_accuracy: int | None = None,
         **kwargs,
     ):
@@ -144,7 +175,14 @@ class TCPETCalculator(Calculator):
             compile_backend(self.pet.backend)
         self.atomic_types = frozenset(int(t) for t in self.pet.atomic_types)
         self.cutoff = float(self.pet.cutoff)
-        self.engine = engine
+        self.engine, self.engine_reason = engine, "chosen by the caller"
+        if engine == "auto":
+            engine, self.engine_reason = choose_engine(self.pet, self.device, low_memory)
+        self.engine_used = engine
+        skin = SMALL_SKIN if neighbor_skin is None else neighbor_skin
+        graph_atoms, large_skin = (sys.maxsize if engine == "graphs" else 0), None
+        if self.engine == "auto" and self.device.type == "cuda" and not low_memory:
+            graph_atoms, large_skin = GRAPH_ATOMS, (LARGE_SKIN if neighbor_skin is None else neighbor_skin)
         self._lean, self._metatomic = None, None
         if engine == "metatomic":
             import_dependencies(metatomic_ase=True)
@@ -155,10 +193,10 @@ class TCPETCalculator(Calculator):
                 device=str(self.device),
                 do_gradients_with_energy=False,
                 uncertainty_threshold=None,
-                neighbor_skin=neighbor_skin,
+                neighbor_skin=skin,
             )
         else:
-            self._lean = LeanPET(self.pet, self.device, neighbor_skin, cuda_graphs=engine == "graphs", compile=compile,
+            self._lean = LeanPET(self.pet, self.device, skin, graph_atoms, large_skin, compile=compile,
                                  check_every=self.check_accuracy)  # fmt: skip
         if isinstance(model, torch.nn.Module):
             self.model_name = self.pet.metadata.name or type(model).__name__
@@ -167,7 +205,9 @@ class TCPETCalculator(Calculator):
 
     def __repr__(self) -> str:
         flags = (", compile=True" if self.compiled else "") + (", low_memory=True" if self.low_memory else "")
-        flags += f", engine={self.engine!r}" if self.engine != "metatomic" else ""
+        flags += f", engine={self.engine!r}"
+        if self.engine == "auto":
+            flags += f" ({self.engine_used}: {self.engine_reason})"
         return (
             f"TCPETCalculator(model={self.model_name!r}, precision={self.precision!r}, "
             f"backend={self.backend!r}, device='{self.device}'{flags})"
@@ -175,7 +215,8 @@ class TCPETCalculator(Calculator):
 
     def _repr_html_(self) -> str:
         rows = {"model": self.model_name, "precision": self.precision, "backend": self.backend,
-                "device": str(self.device), "elements": len(self.atomic_types), "cutoff": f"{self.cutoff} Å"}  # fmt: skip
+                "device": str(self.device), "engine": f"{self.engine_used} ({self.engine_reason})",
+                "elements": len(self.atomic_types), "cutoff": f"{self.cutoff} Å"}  # fmt: skip
         cells = "".join(f"<tr><th style='text-align:left'>{k}</th><td>{v}</td></tr>" for k, v in rows.items())
         return f"<b>TCPETCalculator</b><table>{cells}</table>"
 

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     validate.add_argument("--model", help="uPET name, checkpoint path, or random:<tiny|xs|s|m>")
     validate.add_argument("--precisions", default=None, help="comma-separated (default: every mode the device runs)")
     validate.add_argument("--device", default=None)
-    validate.add_argument("--engine", default="metatomic", choices=ENGINES, help="the calculator's engine (docs/usage.md)")
+    validate.add_argument("--engine", default="auto", choices=ENGINES, help="the calculator's engine (docs/usage.md)")
     validate.add_argument("--out", default="validation")
     validate.add_argument("--quick", action="store_true", help="small systems and short runs (CI, laptops)")
     validate.add_argument("--nve-ps", type=float, default=None, help="NVE length in ps (default 30)")

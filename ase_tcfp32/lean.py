@@ -13,8 +13,8 @@ largest neighbour count) is read back to the host. Here instead:
   length of a tensor, not a Python number, so that ``torch.compile`` does not recompile
   for a new J);
 - energy, forces and the strain derivative (stress) from one backward pass;
-- with ``cuda_graphs=True`` the step is recorded once per (capacity, J) as a CUDA
-  graph and replayed: no kernel launches from Python while atoms move.
+- for systems of up to ``graph_atoms`` atoms the step is recorded once per (capacity, J)
+  as a CUDA graph and replayed: no kernel launches from Python while atoms move.
 
 Pairs beyond the adaptive cutoff contribute exactly zero to metatrain's solver (its
 smooth count is flat there), so the skin changes nothing; results agree with the
@@ -155,26 +155,31 @@ class LeanPET:
     :param pet: a metatrain PET in eval mode (its Linear layers in any precision).
     :param device: where to evaluate it (the model is moved there).
     :param skin: Verlet skin in Å.
-    :param cuda_graphs: record each step as a CUDA graph and replay it (CUDA only).
+    :param graph_atoms: record the step of systems with up to this many atoms as a CUDA
+        graph and replay it (CUDA only; 0: never).
+    :param large_skin: the skin (Å) for systems of more than ``graph_atoms`` atoms
+        (default ``skin``).
     :param compile: run :meth:`neighbour_table` (adaptive cutoffs included) through
         ``torch.compile``; the model's own stages are compiled by the calculator.
-    :param check_every: with ``cuda_graphs``, every this many evaluations (the first
-        included) run eagerly with every watched layer checked (:mod:`ase_tcfp32.watchdog`:
-        a replayed graph runs no Python); 0: never.
+    :param check_every: with graphs, every this many evaluations (the first included) run
+        eagerly with every watched layer checked (:mod:`ase_tcfp32.watchdog`: a replayed
+        graph runs no Python); 0: never.
     """
 
-    def __init__(self, pet: torch.nn.Module, device: torch.device, skin: float = 2.0, cuda_graphs: bool = False,
-                 compile: bool = False, check_every: int = 0):  # fmt: skip
+    def __init__(self, pet: torch.nn.Module, device: torch.device, skin: float = 2.0, graph_atoms: int = 0,
+                 large_skin: float | None = None, compile: bool = False, check_every: int = 0):  # fmt: skip
         from metatrain.pet.modules import adaptive_cutoff, utilities
 
         reason = unsupported_reason(pet)
         if reason is not None:
             raise ValueError(f"the lean path cannot evaluate this model: {reason}")
-        if cuda_graphs and device.type != "cuda":
+        if graph_atoms and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not '{device}'")
         scale, offset = _per_type_energy(pet)
         self.scale, self.offset = scale.to(device), offset.to(device)  # float64: exact sums of large offsets
-        self.pet, self.device, self.skin, self.cuda_graphs = pet.to(device), device, float(skin), cuda_graphs
+        self.pet, self.device, self.graph_atoms = pet.to(device), device, graph_atoms
+        self.skins = (float(skin), float(skin if large_skin is None else large_skin))
+        self.skin, self.cuda_graphs = self.skins[0], False  # set per system
         self.backend = pet.backend
         self.dtype = next(pet.parameters()).dtype
         self._key: tuple | None = None  # numbers, pbc of the current system
@@ -201,6 +206,8 @@ class LeanPET:
         key = (atoms.numbers.tobytes(), atoms.pbc.tobytes())
         if key != self._key:
             self._key, self.pairs = key, None
+            self.cuda_graphs = len(atoms) <= self.graph_atoms
+            self.skin = self.skins[0] if self.cuda_graphs else self.skins[1]
             self._set_width(0)
             return True
         ref_positions, ref_cell = self._reference

@@ -220,3 +220,54 @@ def test_low_memory_recomputes_and_gives_the_same_results(tiny_ckpt, water, prec
     assert e1 == e0
     np.testing.assert_allclose(f1, f0, rtol=0, atol=1e-6)
     np.testing.assert_allclose(s1, s0, rtol=0, atol=1e-8)
+
+
+def test_default_engine_is_chosen_and_explained(tiny_ckpt, water):
+    """engine='auto' (the default) runs the lean engine on a CPU and says why; explicit
+    engines win; the result is the metatomic engine's to FP32 rounding."""
+    calc = TCPETCalculator(tiny_ckpt, device="cpu", precision="fp32")
+    assert calc.engine == "auto" and calc.engine_used == "lean"
+    assert "engine='auto' (lean: " in repr(calc) and "engine" in calc._repr_html_()
+    water.calc = calc
+    forces = water.get_forces()
+    explicit = TCPETCalculator(tiny_ckpt, device="cpu", precision="fp32", engine="metatomic")
+    assert explicit.engine_used == "metatomic" and "engine='metatomic'" in repr(explicit)
+    other = water.copy()
+    other.calc = explicit
+    assert np.abs(other.get_forces() - forces).max() < 1e-5
+
+
+def test_import_and_default_calculator_print_nothing(tmp_path):
+    """A quiet start: importing the package and building the default calculator on the
+    bundled model print nothing (no Warp banner, no torch.jit notes from dependencies)."""
+    import subprocess
+    import sys
+
+    code = ("import warnings; warnings.simplefilter('default')\n"
+            "import ase_tcfp32\n"
+            "c = ase_tcfp32.TCPETCalculator('pet-demo-chgnet', device='cpu', precision='fp32', engine='metatomic')\n"
+            "c = ase_tcfp32.TCPETCalculator('pet-demo-chgnet', device='cpu', precision='fp32')\n")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "" and done.stderr == "", (done.stdout, done.stderr)
+
+
+def test_offline_model_name_fails_at_once_without_the_download_code(monkeypatch):
+    """No network (here: a closed local port as the hub) and no cached copy: a clear
+    ModelDownloadError, without importing upet or entering its retry loop."""
+    import sys
+
+    from huggingface_hub import constants
+
+    from ase_tcfp32 import ModelDownloadError
+    from ase_tcfp32.models import hub_reachable
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    assert not hub_reachable()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert not hub_reachable()
+    loaded = "upet._models" in sys.modules
+    with pytest.raises(ModelDownloadError, match="cannot be reached.*pet-demo-chgnet"):
+        TCPETCalculator("pet-mad-xs", device="cpu")
+    assert ("upet._models" in sys.modules) == loaded

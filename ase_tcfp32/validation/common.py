@@ -23,7 +23,7 @@ def resolve_model(model: str) -> str:
     return str(random_checkpoint(model.split(":", 1)[1]))
 
 
-def calculator(model: str, precision: str, device: str | None, engine: str = "metatomic") -> TCPETCalculator:
+def calculator(model: str, precision: str, device: str | None, engine: str = "auto") -> TCPETCalculator:
     """A calculator for ``precision`` and ``engine``; ``"fp64"`` is the FP32 path on a float64
     model, always through the metatomic engine (the reference does not move with the engine)."""
     with warnings.catch_warnings():

@@ -12,7 +12,7 @@ from .common import calculator, environment, run_jobs, table, write
 from .systems import water_box
 
 
-def run(model: str, precisions: list[str], device=None, out="validation", engine="metatomic", ps=30.0, timestep_fs=0.5,
+def run(model: str, precisions: list[str], device=None, out="validation", engine="auto", ps=30.0, timestep_fs=0.5,
         molecules=64, temperature_K=300.0, seed=0, every=10, jobs=1, noise=1e-6) -> dict:  # fmt: skip
     """NVE of a water box (``molecules`` H2O) for ``ps`` picoseconds from the same start;
     ``jobs`` > 1 runs the trajectories in that many processes at once.

@@ -12,7 +12,7 @@ from .common import calculator, environment, run_jobs, table, write
 from .systems import cantor_slab
 
 
-def run(model: str, precisions: list[str], device=None, out="validation", engine="metatomic", fmax=1e-3, max_steps=500,
+def run(model: str, precisions: list[str], device=None, out="validation", engine="auto", fmax=1e-3, max_steps=500,
         repeats=3, size=(7, 7, 11), rattle=0.05, jobs=1) -> dict:  # fmt: skip
     """FIRE to ``fmax`` eV/Å (at most ``max_steps``) from ``repeats`` seeded starts
     (species arrangement and a ``rattle`` Å displacement per seed); ``jobs`` > 1 runs

@@ -27,7 +27,7 @@ QUICK = {
 
 
 def run(test: str, model: str, precisions: list[str], device=None, out="validation", quick=False,
-        engine="metatomic", **options) -> dict:  # fmt: skip
+        engine="auto", **options) -> dict:  # fmt: skip
     """Run one test by name (``single-point``, ``smoothness``, ``nve``, ``relax``, ``speed``)
     with the calculators in ``engine`` (``TCPETCalculator(engine=...)``)."""
     if test not in TESTS:
@@ -37,7 +37,7 @@ def run(test: str, model: str, precisions: list[str], device=None, out="validati
 
 
 def run_all(model: str, precisions: list[str], device=None, out="validation", quick=False, options=None,
-            engine="metatomic") -> dict:  # fmt: skip
+            engine="auto") -> dict:  # fmt: skip
     """Every test, then ``report.md`` in ``out``; ``options`` maps test names to settings."""
     options = options or {}
     results = {name: run(name, model, precisions, device, out, quick, engine, **options.get(name, {})) for name in TESTS}

@@ -32,7 +32,7 @@ def _prefixed(prefix, result, reference, n_atoms) -> dict:
     return {f"{prefix}_{k}": v for k, v in _errors(result, reference, n_atoms).items()}
 
 
-def run(model: str, precisions: list[str], device=None, out="validation", engine="metatomic", molecules=(64, 5760), seed=0) -> dict:
+def run(model: str, precisions: list[str], device=None, out="validation", engine="auto", molecules=(64, 5760), seed=0) -> dict:
     """Single points of water boxes (``molecules`` H2O each, 1 g/cm³).
 
     FP32's noise floor: the largest of FP32's difference to itself on a repeat run (GPU

@@ -19,7 +19,7 @@ def roughness(energies: np.ndarray, exact: np.ndarray) -> float:
     return float(np.sqrt(np.mean(np.diff(energies - exact, 2) ** 2)))
 
 
-def run(model: str, precisions: list[str], device=None, out="validation", engine="metatomic", start=1.2, step=0.081, points=60, size=(3, 3, 4)) -> dict:
+def run(model: str, precisions: list[str], device=None, out="validation", engine="auto", start=1.2, step=0.081, points=60, size=(3, 3, 4)) -> dict:
     """Pull CO rigidly from ``start`` Å above the top Pt in ``points`` steps of ``step`` Å.
 
     Pass: each FP32-accurate precision's roughness (against FP64) <= 2 x FP32's.

@@ -38,7 +38,7 @@ def _step_times(calc, atoms, warmup: int, repeats: int, device) -> list[float]:
     return times
 
 
-def run(model: str, precisions: list[str], device=None, out="validation", engine="metatomic", molecules=(64, 5760), warmup=3, repeats=10) -> dict:
+def run(model: str, precisions: list[str], device=None, out="validation", engine="auto", molecules=(64, 5760), warmup=3, repeats=10) -> dict:
     """Median time per energy+forces call of water boxes; speed-up vs FP32 of the same run."""
     systems = []
     for n_mol in molecules:
