@@ -102,3 +102,46 @@ def test_warm_up_evaluates_a_copy_and_the_next_call_agrees(tiny_ckpt, water):
     fresh = water.copy()
     fresh.calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu")
     np.testing.assert_allclose(atoms.get_forces(), fresh.get_forces(), atol=1e-6)
+
+
+TUNER = """
+import sys, time
+from ase_tcfp32.kernels import autotune
+key, pause = sys.argv[1], float(sys.argv[2])
+def measure(config):
+    print("measuring", flush=True)
+    time.sleep(pause)  # a GPU timing a candidate
+    return {3: 2.0, 4: 1.0, 6: 1.5}[config["stages"]]
+print(autotune.tuned(key, [{"stages": 3}, {"stages": 4}, {"stages": 6}], measure), flush=True)
+"""
+
+
+def tuner(key: str, pause: float, cache) -> "subprocess.Popen":
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, ASE_TCFP32_CACHE=str(cache.parent))
+    env.pop("ASE_TCFP32_AUTOTUNE", None)
+    return subprocess.Popen([sys.executable, "-c", TUNER, key, str(pause)], env=env, stdout=subprocess.PIPE, text=True)
+
+
+def test_two_processes_filling_an_empty_cache_at_once_keep_both_entries(tuning_cache):
+    processes = [tuner(key, 0.3, tuning_cache) for key in ("a", "b")]  # both read an empty cache
+    for process in processes:
+        assert process.wait(timeout=120) == 0
+    assert json.loads(tuning_cache.read_text()) == {"a": {"stages": 4}, "b": {"stages": 4}}
+
+
+def test_an_interrupted_tuning_leaves_a_cache_the_next_process_uses(tuning_cache):
+    import signal
+
+    assert tuner("a", 0.0, tuning_cache).wait(timeout=120) == 0
+    before = tuning_cache.read_text()
+    process = tuner("b", 30.0, tuning_cache)
+    assert process.stdout.readline().strip() == "measuring"
+    process.send_signal(signal.SIGINT)  # Ctrl-C while it measures
+    assert process.wait(timeout=60) != 0
+    assert tuning_cache.read_text() == before  # whole, and without the unfinished entry
+    assert tuner("b", 0.0, tuning_cache).wait(timeout=120) == 0
+    assert set(json.loads(tuning_cache.read_text())) == {"a", "b"}

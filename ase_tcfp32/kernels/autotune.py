@@ -14,6 +14,8 @@ The file is ``$ASE_TCFP32_CACHE/autotune.json`` (default ``~/.cache/ase-tcfp32``
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import json
 import os
@@ -62,12 +64,28 @@ def _read(path: Path) -> dict:
         return {}
 
 
-def _write(path: Path, configurations: dict) -> None:
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Hold an exclusive lock on ``path``'s lock file: one process at a time merges into it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _add(path: Path, key: str, configuration: dict) -> None:
+    """Add ``key`` to the cache file, keeping what other processes wrote: under a lock (two
+    processes filling an empty cache at once keep both their entries) and through a
+    temporary file and an atomic rename (an interrupted write leaves the old file whole)."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(configurations, indent=1, sort_keys=True))
-        os.replace(temporary, path)  # atomic: concurrent processes never read half a file
+        with _locked(path):
+            configurations = {**_read(path), key: configuration}
+            temporary = path.with_suffix(f".{os.getpid()}.tmp")
+            temporary.write_text(json.dumps(configurations, indent=1, sort_keys=True))
+            os.replace(temporary, path)
     except OSError as error:
         warnings.warn(f"could not write the autotuning cache {path} ({error}); tuned configurations "
                       "last for this process only", stacklevel=4)  # fmt: skip
@@ -100,7 +118,7 @@ def tuned(key: str, candidates: list[dict], measure: Callable[[dict], float]) ->
                     raise
                 times.append(float("inf"))
         memory[key] = candidates[min(range(len(candidates)), key=times.__getitem__)]
-        _write(path, {**_read(path), key: memory[key]})  # keep what other processes wrote meanwhile
+        _add(path, key, memory[key])
         return dict(memory[key])
 
 
