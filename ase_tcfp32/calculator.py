@@ -78,7 +78,12 @@ def choose_engine(pet: torch.nn.Module, device: torch.device, low_memory: bool) 
     reason = unsupported_reason(pet)
     if reason is not None:
         return "metatomic", f"the lean engine cannot evaluate this model ({reason})"
-    if device.type != "cuda":
+    return choose_engine_for(device, low_memory)
+
+
+def choose_engine_for(device: torch.device | str, low_memory: bool = False) -> tuple[str, str]:
+    """:func:`choose_engine` for a model the lean engine can evaluate (PET-MAD and the uPETs)."""
+    if torch.device(device).type != "cuda":
         return "lean", "the model on plain tensors: fewer host round trips than metatomic-ase on a CPU"
     if low_memory:
         return "lean", "low_memory=True: recomputed layers, no CUDA graphs"

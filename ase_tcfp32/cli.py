@@ -1,4 +1,4 @@
-"""Command line: ``ase-tcfp32 validate TEST ...`` and ``ase-tcfp32 info``."""
+"""Command line: ``ase-tcfp32 validate TEST ...``, ``ase-tcfp32 warmup ...`` and ``ase-tcfp32 info``."""
 
 from __future__ import annotations
 
@@ -45,11 +45,31 @@ def _validate(args) -> None:
         report.run(args.test, model, precisions, args.device, args.out, args.quick, args.engine, **options.get(args.test, {}))
 
 
+def _warmup(args) -> None:
+    import time
+
+    from .calculator import TCPETCalculator
+    from .kernels import autotune
+    from .validation import water_box
+    from .validation.common import resolve_model
+
+    if args.atoms < 3:
+        raise SystemExit("--atoms must be at least 3 (a water molecule)")
+    start = time.perf_counter()
+    calc = TCPETCalculator(resolve_model(args.model), precision=args.precision, device=args.device)
+    atoms = water_box(max(1, args.atoms // 3), seed=0)
+    seconds = calc.warm_up(atoms)
+    print(calc)
+    print(f"{len(atoms)}-atom water box: first evaluation {seconds:.1f} s ({time.perf_counter() - start:.1f} s with loading)")
+    print(f"GEMM tuning: {len(autotune.known())} shapes in {autotune.cache_file()}")
+
+
 def _info(args) -> None:
     import platform
 
     import torch
 
+    from .calculator import choose_engine_for
     from .models import cached_checkpoints, known_models
     from .precision import auto_precision, available_precisions
 
@@ -77,6 +97,8 @@ def _info(args) -> None:
             print(f"  {row.precision:7} {mark}  {row.backend:14} {row.note}")
         chosen, why = auto_precision(device)
         print(f"  auto -> {chosen}: {why}")
+        engine, why = choose_engine_for(device)
+        print(f"  engine='auto' -> {engine}: {why}")
     from .kernels import autotune
 
     state = "on" if autotune.enabled() else "off (ASE_TCFP32_AUTOTUNE=0)"
@@ -107,6 +129,12 @@ def main(argv: list[str] | None = None) -> None:
     validate.add_argument("--jobs", type=int, default=1,
                           help="NVE and FIRE runs at once, in separate processes (small systems on a GPU)")
     validate.set_defaults(func=_validate)
+    warmup = commands.add_parser("warmup", help="fill this machine's caches (kernels, GEMM tuning) before a batch of jobs")
+    warmup.add_argument("--model", required=True, help="uPET name, checkpoint path, or random:<tiny|xs|s|m>")
+    warmup.add_argument("--atoms", type=int, required=True, help="system size (a water box of about this many atoms)")
+    warmup.add_argument("--precision", default="auto", choices=("auto",) + PRECISIONS)
+    warmup.add_argument("--device", default=None)
+    warmup.set_defaults(func=_warmup)
     info = commands.add_parser("info", help="versions, GPUs, precisions and what auto picks")
     info.set_defaults(func=_info)
     args = parser.parse_args(argv)

@@ -189,6 +189,7 @@ class LeanPET:
         self.rebuilds = 0
         self.widenings = 0
         self.evaluations = 0
+        self.recordings = 0  # CUDA graphs recorded
         self.check_every = check_every
         self._graph: _Graph | None = None
         self._nl_device = device
@@ -375,6 +376,7 @@ class LeanPET:
             self._graph = None  # its memory goes before the next one is recorded
             torch.cuda.synchronize(self.device)
             self._graph = _Graph(self, positions, cell, numbers, stress)
+            self.recordings += 1
         return self._graph.replay(positions, cell, numbers)
 
 
