@@ -150,7 +150,6 @@ class TCPETCalculator(Calculator):
     ):
         super().__init__(**kwargs)
         check_name(precision)
-        self.check_accuracy = watchdog.check_every(check_accuracy, watchdog.CALCULATOR_EVERY)
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}: use one of {', '.join(ENGINES)}")
         if engine == "graphs" and low_memory:
@@ -166,6 +165,9 @@ class TCPETCalculator(Calculator):
         if engine == "graphs" and self.device.type != "cuda":
             raise ValueError(f"engine='graphs' records CUDA graphs and needs a CUDA device, not '{self.device}'")
         self.emulate = emulate
+        if self.precision == "tf32" and not check_accuracy:
+            check_accuracy = 0  # not FP32-accurate by design: nothing to watch (explicit N > 0 is refused)
+        self.check_accuracy = watchdog.check_every(check_accuracy, watchdog.CALCULATOR_EVERY)
 
         self.pet = load_pet(model, version)
         dtype = next(self.pet.parameters()).dtype

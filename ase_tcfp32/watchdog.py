@@ -51,8 +51,11 @@ class PrecisionWarning(UserWarning):
     """An emulated GEMM was measured less accurate than FP32 on its actual inputs."""
 
 
-CALCULATOR_EVERY = 1000
-"""The calculator's default interval (``swap_linear_layers`` and ``TCLinear``: off)."""
+CALCULATOR_EVERY = 10_000
+"""The calculator's default interval (``swap_linear_layers`` and ``TCLinear``: off). A due
+step of the graph engine runs eagerly with every layer checked: 83.8 ms against a 4.9 ms
+replay (192 water atoms, bundled demo model, fp16x3, H200), 1.6% of the run at every
+1,000th step, 0.16% at every 10,000th."""
 
 
 def check_every(value: int | None, default: int = 0) -> int:
