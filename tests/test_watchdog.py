@@ -106,3 +106,16 @@ def test_calculator_checks_every_layer_and_stays_quiet_on_pet(tiny_ckpt, water, 
     assert layers and all(m._calls["forward"] == 1 for m in layers)
     backward = [m._calls.get("input gradient", 0) for m in layers]  # layers fed by positions
     assert set(backward) == {0, 1} and sum(backward) > len(layers) // 2
+
+
+@pytest.mark.parametrize("precision", ["tf32x3", "bf16x9"])
+def test_subnormal_inputs_are_flagged_for_the_unscaled_splits(precision):
+    """x ~1e-40 (subnormal in FP32) against w ~1e30: tf32x3 and bf16x9 lose the products
+    (docs/precision.md, 'Where FP32 accuracy ends'); the watchdog says so."""
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 96, bias=False))
+    with torch.no_grad():
+        model[0].weight.normal_(generator=g).mul_(1e30)
+    swap_linear_layers(model, precision, check_accuracy=1)
+    x = torch.randn(64, 256, generator=g) * 1e-40
+    assert len(caught(lambda: model(x))) == 1
