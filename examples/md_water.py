@@ -3,7 +3,7 @@
     python examples/md_water.py                      # the bundled demo PET (see below)
     python examples/md_water.py --model pet-mad-s    # PET-MAD-S (downloads once)
     python examples/md_water.py --model my.ckpt --precision tf32x3 --nvt 2000 --nve 2000
-    python examples/md_water.py --precision tf32x3 --engine graphs --compile   # fastest on a GPU
+    python examples/md_water.py --engine graphs --compile   # fastest steady state on a GPU (slow first step)
 
 Without --model it uses ``pet-demo-chgnet``, the small PET shipped with the package:
 distilled from CHGNet (r2SCAN) for water, CO/Pt(111) and CoCrFeMnNi, it is a demo model,
@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--nvt", type=int, default=20, help="Langevin steps at 300 K")
     parser.add_argument("--nve", type=int, default=20, help="velocity Verlet steps after NVT")
     parser.add_argument("--traj", default="water.traj", help="trajectory file (every 5 steps)")
-    parser.add_argument("--engine", default="metatomic", help="metatomic, lean, graphs (CUDA): see docs/usage.md")
+    parser.add_argument("--engine", default="auto", help="auto, metatomic, lean, graphs (CUDA): see docs/usage.md")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (slow first step)")
     args = parser.parse_args()
 
