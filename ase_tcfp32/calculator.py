@@ -261,6 +261,73 @@ class TCPETCalculator(Calculator):
                 f"stress needs a system periodic in all three directions (pbc={atoms.pbc.tolist()})"
             )
 
+    def evaluate(self, structures: list[Atoms]) -> list[dict]:
+        """Energies, forces and stresses of many structures in one batched model call.
+
+        ``structures`` may differ in size, cell and periodicity; same-size copies (the
+        beads of a path integral, replicas) are the fast case: one evaluation of the whole
+        batch keeps a GPU busy where one small structure leaves it idle. Returns, per
+        structure, a dict like :attr:`results`: ``energy`` and ``free_energy`` (eV),
+        ``energies`` [n] (eV), ``forces`` [n, 3] (eV/Å) and, for 3D-periodic structures,
+        ``stress`` (eV/Å³, Voigt order). The same evaluation as one structure's
+        ``get_forces()``: a single structure is a batch of one.
+
+        >>> results = calc.evaluate([atoms.copy() for _ in range(32)])  # doctest: +SKIP
+        """
+        structures = list(structures)
+        if not structures:
+            return []
+        for atoms in structures:
+            self.check_atoms(atoms, ["energy", "forces"])
+        stress = any(atoms.pbc.all() for atoms in structures)
+        try:
+            with ieee_fp32_matmul(), watchdog.deferred():
+                if self._lean is not None:
+                    results = self._lean.compute(structures, stress)
+                else:
+                    results = self._metatomic_batch(structures, stress)
+        except torch.OutOfMemoryError as error:
+            raise torch.OutOfMemoryError(self._out_of_memory(sum(len(a) for a in structures))) from error
+        for result in results:
+            result["free_energy"] = result["energy"]
+            if "stress" in result:
+                result["stress"] = full_3x3_to_voigt_6_stress(result["stress"])
+        return results
+
+    def _metatomic_batch(self, structures: list[Atoms], stress: bool) -> list[dict]:
+        """:meth:`evaluate` through metatomic-ase (one model call for the batch)."""
+        periodic = all(atoms.pbc.all() for atoms in structures)
+        out = self._metatomic.compute_energy(structures, compute_forces_and_stresses=True, per_atom=True)
+        results = []
+        for k, atoms in enumerate(structures):
+            result = {"energy": float(out["energy"][k]), "energies": np.asarray(out["energies"][k], float),
+                      "forces": np.asarray(out["forces"][k], float)}  # fmt: skip
+            if stress and periodic:
+                result["stress"] = np.asarray(out["stress"][k], float).reshape(3, 3)
+            results.append(result)
+        if stress and not periodic:  # metatomic-ase gives stress only for all-periodic batches
+            for k, atoms in enumerate(structures):
+                if atoms.pbc.all():
+                    results[k]["stress"] = self._metatomic_batch([atoms], True)[0]["stress"]
+        return results
+
+    def _out_of_memory(self, atoms: int) -> str:
+        """What to say when ``atoms`` atoms did not fit on the GPU."""
+        backend = self.pet.backend
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        # measured on the H200 (139 GB), eager, largest water boxes (docs/performance.md):
+        # PET-S shape (d_pet 256, 3 GNN x 1 attention layer) 49,152 atoms, 82,944 with low_memory
+        # and PET-M shape (d_pet 384, 3 x 2) 15,360: memory ~ d_pet x GNN layers x attention layers
+        per_atom = 139e9 / 49_152 * (backend.d_pet / 256) * len(backend.gnn_layers) / 3
+        per_atom *= self.pet.hypers.get("num_attention_layers", 1)
+        fits = int(total / per_atom)
+        hint = ("" if self.low_memory else
+                f" With low_memory=True (each GNN layer recomputed in the backward pass) about {int(fits * 1.7):,} would.")  # fmt: skip
+        return (f"{atoms:,} atoms did not fit in the {total / 1e9:.0f} GB of {torch.cuda.get_device_name(self.device)} "
+                f"with this model (d_pet {backend.d_pet}, {len(backend.gnn_layers)} GNN layers). Estimated largest "
+                f"system here: about {fits:,} atoms (from the water boxes measured on an H200, docs/performance.md)."
+                f"{hint} Smaller systems, or several GPUs through i-PI (docs/scaling.md), are the other ways out.")  # fmt: skip
+
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes):
         if atoms is not None:
             self.check_atoms(atoms, list(properties))
@@ -268,14 +335,13 @@ class TCPETCalculator(Calculator):
         # forces come with every call (ASE caches them for the next get_forces);
         # stress too for 3D-periodic systems, where MetatomicCalculator adds it itself.
         if self._lean is not None:
-            with ieee_fp32_matmul(), watchdog.deferred():
-                results = self._lean.compute(self.atoms, stress=bool(self.atoms.pbc.all()))
-            if "stress" in results:
-                results["stress"] = full_3x3_to_voigt_6_stress(results["stress"])
-            self.results = results
-        else:
-            wanted = ["energy", "forces"] + (["energies"] if "energies" in properties else [])
+            self.results = self.evaluate([self.atoms])[0]
+            return
+        wanted = ["energy", "forces"] + (["energies"] if "energies" in properties else [])
+        try:
             with ieee_fp32_matmul(), watchdog.deferred():
                 self._metatomic.calculate(self.atoms, wanted, system_changes)
-            self.results = dict(self._metatomic.results)
+        except torch.OutOfMemoryError as error:
+            raise torch.OutOfMemoryError(self._out_of_memory(len(self.atoms))) from error
+        self.results = dict(self._metatomic.results)
         self.results["free_energy"] = self.results["energy"]

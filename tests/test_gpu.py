@@ -306,7 +306,7 @@ def test_graph_replays_follow_md_across_list_rebuilds_and_wider_tables(tiny_ckpt
 
     atoms = water192.copy()
     atoms.calc = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", engine="graphs", neighbor_skin=0.4)
-    reference = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda")
+    reference = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", engine="metatomic")
     MaxwellBoltzmannDistribution(atoms, temperature_K=3000, rng=np.random.default_rng(2))
     dyn = VelocityVerlet(atoms, 1.0 * fs)
     lean = atoms.calc._lean
@@ -326,7 +326,7 @@ def test_compiled_graph_engine_matches_metatomic(tiny_ckpt, water192):
     atoms = water192.copy()
     atoms.calc = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", engine="graphs", compile=True)
     reference = water192.copy()
-    reference.calc = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda")
+    reference.calc = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", engine="metatomic")
     for _ in range(3):  # recorded once, replayed after
         atoms.positions += 0.01
         reference.positions += 0.01

@@ -15,7 +15,7 @@ from ase_tcfp32.models import load_pet
 def _agree(atoms, model, *, skin=2.0, precision="fp32", stress=True):
     """Evaluate ``atoms`` with both engines; assert FP32-level agreement; return the lean calc."""
     ref, ours = atoms.copy(), atoms.copy()
-    ref.calc = TCPETCalculator(model, precision=precision, device="cpu", neighbor_skin=skin)
+    ref.calc = TCPETCalculator(model, precision=precision, device="cpu", neighbor_skin=skin, engine="metatomic")
     ours.calc = TCPETCalculator(model, precision=precision, device="cpu", neighbor_skin=skin, engine="lean")
     e_ref = ref.get_potential_energy()
     # metatrain sums large per-atom offsets in FP32 (~1e-6 relative); ours in float64
@@ -61,7 +61,7 @@ def test_verlet_list_is_rebuilt_only_past_half_the_skin(tiny_ckpt, water):
     """MD with a 0.3 Å skin: every step agrees with a fresh metatomic evaluation, and the
     pair list is rebuilt a few times, not every step."""
     calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine="lean", neighbor_skin=0.3)
-    ref = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu")
+    ref = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine="metatomic")
     water.calc = calc
     MaxwellBoltzmannDistribution(water, temperature_K=2000, rng=np.random.default_rng(4))
     dyn = VelocityVerlet(water, timestep=1.0 * fs)
@@ -87,9 +87,10 @@ def test_neighbour_table_widens_when_atoms_crowd_in(tiny_ckpt, water):
 
 
 def _inputs(atoms):
-    """positions, strain, cell, numbers of ``atoms`` as the lean engine's tensors (CPU)."""
-    cell = torch.tensor(atoms.cell.array, dtype=torch.float32)
-    return torch.tensor(atoms.positions, dtype=torch.float32), torch.zeros_like(cell), cell, torch.tensor(atoms.numbers)
+    """positions, strain, cells, numbers, system of ``atoms`` as the lean engine's tensors (CPU)."""
+    cells = torch.tensor(atoms.cell.array, dtype=torch.float32)[None]
+    positions, numbers = torch.tensor(atoms.positions, dtype=torch.float32), torch.tensor(atoms.numbers)
+    return positions, torch.zeros_like(cells), cells, numbers, torch.zeros(len(atoms), dtype=torch.long)
 
 
 def test_lean_rejects_models_it_cannot_evaluate_exactly(tiny_ckpt):
@@ -133,7 +134,7 @@ def test_lean_matches_metatomic_in_float64(water):
 
     pet = random_pet("tiny", seed=11, atomic_types=[1, 8, 78]).to(torch.float64)
     ref, ours = water.copy(), water.copy()
-    ref.calc = TCPETCalculator(pet, precision="fp32", device="cpu")
+    ref.calc = TCPETCalculator(pet, precision="fp32", device="cpu", engine="metatomic")
     ours.calc = TCPETCalculator(pet, precision="fp32", device="cpu", engine="lean")
     assert ours.get_potential_energy() == pytest.approx(ref.get_potential_energy(), abs=1e-9)
     assert np.abs(ours.get_forces() - ref.get_forces()).max() < 1e-10
@@ -146,7 +147,58 @@ def test_lean_handles_atoms_without_neighbours():
 
     for atoms in (Atoms("O", positions=[[0, 0, 0]]), Atoms("OH", positions=[[0, 0, 0], [0, 0, 0.97]])):
         ref, ours = atoms.copy(), atoms.copy()
-        ref.calc = TCPETCalculator("pet-demo-chgnet", precision="fp32", device="cpu")
+        ref.calc = TCPETCalculator("pet-demo-chgnet", precision="fp32", device="cpu", engine="metatomic")
         ours.calc = TCPETCalculator("pet-demo-chgnet", precision="fp32", device="cpu", engine="lean")
         assert ours.get_potential_energy() == pytest.approx(ref.get_potential_energy(), abs=1e-5)
         assert np.abs(ours.get_forces() - ref.get_forces()).max() < 1e-5
+
+
+def _beads(atoms, count, seed=0):
+    """``count`` copies of ``atoms``, each displaced differently (like path-integral beads)."""
+    rng = np.random.default_rng(seed)
+    copies = []
+    for _ in range(count):
+        copy = atoms.copy()
+        copy.positions += rng.normal(scale=0.05, size=copy.positions.shape)
+        copies.append(copy)
+    return copies
+
+
+@pytest.mark.parametrize("engine", ["lean", "metatomic"])
+def test_a_batch_gives_what_single_calls_give(tiny_ckpt, water, engine):
+    """32 beads in one call: per structure the energies, forces and stresses of 32 single
+    calls, to FP32 rounding (the batch sums in another order)."""
+    beads = _beads(water, 32)
+    calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine=engine)
+    batched = calc.evaluate(beads)
+    assert len(batched) == 32
+    for atoms, result in zip(beads, batched):
+        single = atoms.copy()
+        single.calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine=engine)
+        assert result["energy"] == pytest.approx(single.get_potential_energy(), rel=3e-6, abs=1e-5)
+        assert result["free_energy"] == result["energy"]
+        assert np.abs(result["forces"] - single.get_forces()).max() <= 2e-6 * max(1.0, np.abs(result["forces"]).max())
+        assert np.abs(result["stress"] - single.get_stress()).max() <= 1e-6
+        assert result["energies"].sum() == pytest.approx(result["energy"], rel=1e-6)
+
+
+def test_a_batch_of_different_structures(tiny_ckpt, water, pt_bulk, ethanol):
+    """Different sizes, cells and periodicities in one batch, twice (the pair list and the
+    table are kept), in the emulated precision too: each as evaluated alone."""
+    structures = [water, ethanol, pt_bulk, water.repeat((2, 1, 1))]
+    for precision in ("fp32", "tf32x3"):
+        calc = TCPETCalculator(tiny_ckpt, precision=precision, device="cpu", engine="lean")
+        for _ in range(2):
+            batched = calc.evaluate(structures)
+            for atoms, result in zip(structures, batched):
+                alone = calc.evaluate([atoms])[0]
+                assert result["energy"] == pytest.approx(alone["energy"], rel=3e-6, abs=1e-5)
+                assert np.abs(result["forces"] - alone["forces"]).max() <= 1e-5
+                assert ("stress" in result) == bool(atoms.pbc.all())
+            for atoms in structures:
+                atoms.positions += 0.02
+    assert calc.evaluate([]) == []
+    with pytest.raises(ValueError, match="NaN"):
+        broken = water.copy()
+        broken.positions[0, 0] = np.nan
+        calc.evaluate([water, broken])
