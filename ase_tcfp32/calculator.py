@@ -9,6 +9,7 @@ stress by autograd) or through :mod:`ase_tcfp32.lean` (``engine="lean"`` or
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -280,8 +281,9 @@ class TCPETCalculator(Calculator):
         for atoms in structures:
             self.check_atoms(atoms, ["energy", "forces"])
         stress = any(atoms.pbc.all() for atoms in structures)
+        on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         try:
-            with ieee_fp32_matmul(), watchdog.deferred():
+            with on_device, ieee_fp32_matmul(), watchdog.deferred():
                 if self._lean is not None:
                     results = self._lean.compute(structures, stress)
                 else:

@@ -64,6 +64,27 @@ def _warmup(args) -> None:
     print(f"GEMM tuning: {len(autotune.known())} shapes in {autotune.cache_file()}")
 
 
+def _ipi_driver(args) -> None:
+    """Replace this process by i-PI's Python driver running :mod:`ase_tcfp32.ipi`."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    from . import ipi
+
+    script = shutil.which("i-pi-py_driver") or str(Path(sys.executable).parent / "i-pi-py_driver")
+    if not Path(script).exists():
+        raise SystemExit("i-PI's driver script i-pi-py_driver was not found: pip install 'ase-tcfp32[ipi]'")
+    options = {"template": args.template, "model": args.model, "precision": args.precision, "engine": args.engine}
+    if args.device:
+        options["device"] = args.device
+    command = [sys.executable, script, "-m", "custom", "-P", ipi.__file__, "-a", args.address,
+               "-o", ",".join(f"{k}={v}" for k, v in options.items())]  # fmt: skip
+    command += ["-u"] if args.unix else ["-p", str(args.port)]
+    command += ["-v"] if args.verbose else []
+    os.execv(sys.executable, command)
+
+
 def _info(args) -> None:
     import platform
 
@@ -135,6 +156,17 @@ def main(argv: list[str] | None = None) -> None:
     warmup.add_argument("--precision", default="auto", choices=("auto",) + PRECISIONS)
     warmup.add_argument("--device", default=None)
     warmup.set_defaults(func=_warmup)
+    driver = commands.add_parser("ipi-driver", help="serve an i-PI simulation (docs/scaling.md)")
+    driver.add_argument("--address", required=True, help="unix socket name or host name of the i-PI server")
+    driver.add_argument("--unix", action="store_true", help="a unix socket (/tmp/ipi_ADDRESS) instead of TCP")
+    driver.add_argument("--port", type=int, default=12345, help="TCP port (without --unix)")
+    driver.add_argument("--template", required=True, help="a file ASE reads with the simulation's atoms, in i-PI's order")
+    driver.add_argument("--model", required=True, help="uPET name or checkpoint path")
+    driver.add_argument("--precision", default="auto", choices=("auto",) + PRECISIONS)
+    driver.add_argument("--engine", default="auto", choices=ENGINES)
+    driver.add_argument("--device", default=None, help="cuda:0, or cuda:0;cuda:1 to split each batch across GPUs")
+    driver.add_argument("--verbose", action="store_true")
+    driver.set_defaults(func=_ipi_driver)
     info = commands.add_parser("info", help="versions, GPUs, precisions and what auto picks")
     info.set_defaults(func=_info)
     args = parser.parse_args(argv)

@@ -172,9 +172,10 @@ def test_a_batch_gives_what_single_calls_give(tiny_ckpt, water, engine):
     calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine=engine)
     batched = calc.evaluate(beads)
     assert len(batched) == 32
+    alone = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine=engine)
     for atoms, result in zip(beads, batched):
         single = atoms.copy()
-        single.calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine=engine)
+        single.calc = alone
         assert result["energy"] == pytest.approx(single.get_potential_energy(), rel=3e-6, abs=1e-5)
         assert result["free_energy"] == result["energy"]
         assert np.abs(result["forces"] - single.get_forces()).max() <= 2e-6 * max(1.0, np.abs(result["forces"]).max())

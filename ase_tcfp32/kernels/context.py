@@ -52,9 +52,11 @@ def bind_primary_context(index: int) -> None:
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:
-    """A context in which a kernel on CUDA ``device`` can be launched from this thread:
+    """A context in which a kernel on ``device`` can be launched from this thread (for CUDA:
     the device's context bound to the thread (once per thread) and the device current
-    for the duration (a no-op when it already is)."""
+    for the duration, a no-op when it already is; nothing for a CPU device)."""
+    if device.type != "cuda":  # Triton's interpreter, on CPU tensors
+        return _SAME
     current = torch.cuda.current_device()
     index = current if device.index is None else device.index
     if index != current:

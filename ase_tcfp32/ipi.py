@@ -1,0 +1,108 @@
+"""An i-PI driver: PET with FP32-accurate tensor-core GEMMs behind an i-PI server.
+
+i-PI integrates the nuclei (path integrals, replica exchange, ...) and sends the force
+evaluations over a socket; this driver answers them with :class:`TCPETCalculator`, a whole
+batch of structures (i-PI's ``<batch_size>``: the beads of a path integral) in one model
+call (:meth:`TCPETCalculator.evaluate`)::
+
+    i-pi-py_driver -m custom -P $(python -c "import ase_tcfp32.ipi as m; print(m.__file__)") \\
+        -u -a water -o template=water.xyz,model=pet-mad-s,precision=auto,device=cuda:0
+    ase-tcfp32 ipi-driver --unix --address water --template water.xyz --model pet-mad-s
+
+Options: ``template`` (a file ASE reads: the atoms' species and order, which i-PI does not
+send), ``model`` (uPET name or checkpoint), ``precision``, ``engine`` and ``device``
+(``"cuda:0;cuda:1"`` splits each batch across GPUs, one calculator and one thread per GPU).
+Units and conventions are i-PI's: atomic units, the cell's lattice vectors as columns, and
+the virial ``-dE/dstrain`` (``-stress * volume``) in Hartree.
+"""
+
+from __future__ import annotations
+
+__DRIVER_NAME__ = "tcpet"
+__DRIVER_CLASS__ = "TCPETDriver"
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from ipi.pes.dummy import Dummy_driver
+from ipi.utils.units import unit_to_internal, unit_to_user
+
+
+class TCPETDriver(Dummy_driver):
+    """i-PI's driver interface around :class:`ase_tcfp32.TCPETCalculator` (see module doc)."""
+
+    def __init__(self, template: str, model: str = "pet-mad-s", precision: str = "auto", device: str | None = None,
+                 engine: str = "auto", *args, **kwargs):  # fmt: skip
+        self.template_file, self.model, self.precision = str(template), str(model), str(precision)
+        self.device, self.engine = device, str(engine)
+        super().__init__(*args, **kwargs)  # calls check_parameters()
+
+    def check_parameters(self) -> None:
+        """Read the template and build one calculator per device: every bad option fails
+        here, before i-PI sends anything."""
+        import ase.io
+
+        from ase_tcfp32.calculator import TCPETCalculator  # absolute: i-PI loads this file by its path
+
+        if self.args:
+            raise ValueError(f"the tcpet driver takes key=value options only, not {self.args!r}")
+        if self.kwargs:
+            known = "template, model, precision, device, engine"
+            raise ValueError(f"unknown tcpet driver option(s) {', '.join(self.kwargs)}; known: {known}")
+        try:
+            self.template = ase.io.read(self.template_file)
+        except Exception as error:
+            raise ValueError(f"the tcpet driver could not read template={self.template_file!r}: {error}") from error
+        devices = [d.strip() for d in str(self.device).split(";")] if self.device not in (None, "", "None") else [None]
+        self.calculators = [TCPETCalculator(self.model, precision=self.precision, device=d, engine=self.engine) for d in devices]
+        self.calculators[0].check_atoms(self.template, ["energy", "forces"])
+        self._pool = ThreadPoolExecutor(len(devices)) if len(devices) > 1 else None
+        if self.verbose:
+            print("tcpet driver:", *map(repr, self.calculators), sep="\n  ", flush=True)
+
+    def _structure(self, cell: np.ndarray, positions: np.ndarray):
+        """i-PI's cell (Bohr, vectors as columns) and positions (Bohr) as ASE Atoms (Å)."""
+        if len(positions) != len(self.template):
+            raise ValueError(
+                f"i-PI sent {len(positions)} atoms but the template {self.template_file!r} has {len(self.template)}: "
+                "the driver's template must hold the simulation's atoms in i-PI's order"
+            )
+        atoms = self.template.copy()
+        atoms.positions = unit_to_user("length", "angstrom", np.asarray(positions, float))
+        cell = unit_to_user("length", "angstrom", np.asarray(cell, float).T)
+        atoms.set_cell(cell, scale_atoms=False)
+        atoms.pbc = np.linalg.norm(cell, axis=1) > 0
+        return atoms
+
+    def _answer(self, atoms, result: dict) -> tuple:
+        """(potential Ha, forces Ha/Bohr [n, 3], virial Ha [3, 3], extras) for i-PI."""
+        energy = unit_to_internal("energy", "electronvolt", result["energy"])
+        forces = np.asarray(unit_to_internal("force", "ev/ang", result["forces"]), np.float64)
+        virial = np.zeros((3, 3))
+        if "stress" in result:
+            from ase.stress import voigt_6_to_full_3x3_stress
+
+            virial = -voigt_6_to_full_3x3_stress(result["stress"]) * atoms.get_volume()
+            virial = np.asarray(unit_to_internal("energy", "electronvolt", virial.T), np.float64)
+        return energy, forces, virial, json.dumps({})
+
+    def compute_structure(self, cell, pos) -> tuple:
+        return self.compute([cell], [pos])[0]
+
+    def compute(self, cell, pos):
+        """One structure (i-PI's arrays) or a batch (lists of them): one batched model call
+        per device, the batch split in contiguous chunks across devices."""
+        if not isinstance(cell, list):
+            return self.compute([cell], [pos])[0]
+        if not isinstance(pos, list) or len(cell) != len(pos):
+            raise ValueError("a batch needs lists of cells and positions of the same length")
+        structures = [self._structure(c, p) for c, p in zip(cell, pos)]
+        chunk = -(-len(structures) // len(self.calculators))
+        parts = [structures[k : k + chunk] for k in range(0, len(structures), chunk)]
+        if self._pool is None:
+            results = self.calculators[0].evaluate(parts[0])
+        else:
+            jobs = [self._pool.submit(calc.evaluate, part) for calc, part in zip(self.calculators, parts)]
+            results = [result for job in jobs for result in job.result()]
+        return [self._answer(atoms, result) for atoms, result in zip(structures, results)]

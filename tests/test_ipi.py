@@ -1,0 +1,192 @@
+"""The i-PI driver against a real i-PI server (unix sockets in a temporary folder, on CPU,
+the bundled model): path-integral MD served by two drivers, a driver killed mid-run, bad
+input. Every process started here is bounded in time and killed at the end."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import ase.io
+import numpy as np
+import pytest
+
+pytest.importorskip("ipi")
+
+from ase_tcfp32 import TCPETCalculator  # noqa: E402
+from ase_tcfp32.validation import water_box  # noqa: E402
+
+BIN = Path(sys.executable).parent
+MODEL = "pet-demo-chgnet"
+INPUT = """<simulation verbosity='low' sockets_prefix='{folder}/' safe_stride='100000'>
+  <output prefix='{folder}/sim'>
+    <properties stride='1' filename='out'> [ step, bead_potentials{{electronvolt}} ] </properties>
+    <trajectory filename='pos' stride='1' format='ase'> positions{{ase}} </trajectory>
+    <trajectory filename='for' stride='1' format='ase'> forces{{ase}} </trajectory>
+    <checkpoint stride='100000'/>
+  </output>
+  <total_steps>{steps}</total_steps>
+  <prng><seed>31415</seed></prng>
+  <ffsocket name='pet' mode='unix' pbc='false'>
+    <address>pet</address> <latency>1e-3</latency> <batch_size>{batch}</batch_size>
+    <consolidate_messages>{consolidate}</consolidate_messages>
+  </ffsocket>
+  <system>
+    <initialize nbeads='4'>
+      <file mode='ase'> {folder}/water.xyz </file>
+      <velocities mode='thermal' units='kelvin'> 300 </velocities>
+    </initialize>
+    <forces><force forcefield='pet'> </force></forces>
+    <motion mode='dynamics'>
+      <dynamics mode='nvt'>
+        <timestep units='femtosecond'> 0.5 </timestep>
+        <thermostat mode='pile_l'><tau units='femtosecond'> 100 </tau></thermostat>
+      </dynamics>
+    </motion>
+    <ensemble><temperature units='kelvin'> 300 </temperature></ensemble>
+  </system>
+</simulation>
+"""
+
+
+@pytest.fixture
+def run_folder():
+    """A short temporary folder (unix socket paths must stay under ~100 characters)."""
+    folder = Path(tempfile.mkdtemp(prefix="tcpet-ipi-"))
+    ase.io.write(folder / "water.xyz", water_box(8, seed=1))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+class Processes:
+    """Started processes, all killed (with their children) when the test ends."""
+
+    def __init__(self):
+        self.started = []
+
+    def start(self, args, folder, name):
+        log = open(folder / f"{name}.log", "w")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+        process = subprocess.Popen(args, cwd=folder, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                   start_new_session=True)  # fmt: skip
+        self.started.append(process)
+        return process
+
+    def kill_all(self):
+        for process in self.started:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+
+
+@pytest.fixture
+def processes():
+    started = Processes()
+    yield started
+    started.kill_all()
+
+
+def server(processes, folder, steps, batch=4, consolidate=True):
+    (folder / "input.xml").write_text(INPUT.format(folder=folder, steps=steps, batch=batch, consolidate=consolidate))
+    process = processes.start([str(BIN / "i-pi"), "input.xml"], folder, "server")
+    deadline = time.time() + 60
+    while not (folder / "pet").exists():  # the server's socket
+        assert process.poll() is None and time.time() < deadline, (folder / "server.log").read_text()
+        time.sleep(0.2)
+    return process
+
+
+def driver(processes, folder, name, template="water.xyz", **options):
+    options = {"template": str(folder / template), "model": MODEL, "precision": "fp32", "device": "cpu", **options}
+    args = [sys.executable, str(BIN / "i-pi-py_driver"), "-m", "custom", "-P", str(Path(ase_tcfp32_ipi())),
+            "-u", "-a", "pet", "-S", f"{folder}/", "-o", ",".join(f"{k}={v}" for k, v in options.items())]  # fmt: skip
+    return processes.start(args, folder, name)
+
+
+def ase_tcfp32_ipi() -> str:
+    import ase_tcfp32.ipi
+
+    return ase_tcfp32.ipi.__file__
+
+
+def wait(process, folder, seconds, drivers=()):
+    """``process``'s exit code, within ``seconds`` and while one of ``drivers`` lives."""
+    deadline = time.time() + seconds
+    while process.poll() is None:
+        if time.time() > deadline or (drivers and all(d.poll() is not None for d in drivers)):
+            logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in folder.glob("*.log"))
+            pytest.fail(f"no end within {seconds} s, or every driver gone\n{logs}")
+        time.sleep(0.2)
+    return process.returncode
+
+
+def frames(folder, what, bead):
+    return ase.io.read(next(folder.glob(f"sim.{what}_{bead}.*")), ":")
+
+
+def test_pimd_served_by_two_drivers_matches_direct_evaluation(run_folder, processes):
+    """4-bead PIMD NVT, batches of 4, two drivers: for every bead and step, i-PI's forces and
+    bead energies are those of a direct ASE evaluation of the positions i-PI sent."""
+    steps = 4
+    ipi = server(processes, run_folder, steps)
+    drivers = [driver(processes, run_folder, name) for name in ("driver-a", "driver-b")]
+    assert wait(ipi, run_folder, 240, drivers) == 0, (run_folder / "server.log").read_text()[-2000:]
+    properties = np.loadtxt(run_folder / "sim.out", ndmin=2)
+    assert properties.shape[0] == steps + 1  # step 0 and every step after
+    calc = TCPETCalculator(MODEL, precision="fp32", device="cpu")
+    template = ase.io.read(run_folder / "water.xyz")
+    for bead in range(4):
+        positions, forces = frames(run_folder, "pos", bead), frames(run_folder, "for", bead)
+        assert len(positions) == len(forces) == steps + 1
+        for step in range(steps + 1):
+            atoms = template.copy()
+            atoms.positions = positions[step].positions
+            atoms.calc = calc
+            direct = atoms.get_forces()
+            assert np.abs(forces[step].get_forces() - direct).max() <= 1e-4 * max(1.0, np.abs(direct).max())
+            assert properties[step, 1 + bead] == pytest.approx(atoms.get_potential_energy(), abs=1e-4)
+
+
+def test_a_killed_driver_loses_no_step(run_folder, processes):
+    """One of two drivers dies mid-run: i-PI requeues its request, the other finishes the run.
+    i-PI's classic message exchange (``consolidate_messages`` false, one structure per
+    request): in 3.3.1 the consolidated exchange, which batching needs, does not survive a
+    client that dies mid-request (its polling thread ends on ConnectionResetError and the
+    server waits forever; docs/scaling.md)."""
+    steps = 12
+    ipi = server(processes, run_folder, steps, batch=1, consolidate=False)
+    victim = driver(processes, run_folder, "driver-a")
+    survivor = driver(processes, run_folder, "driver-b")
+    out = run_folder / "sim.out"
+    deadline = time.time() + 180
+    while not out.exists() or len(np.loadtxt(out, ndmin=2)) < 3:  # a few steps done by both
+        assert time.time() < deadline and ipi.poll() is None, (run_folder / "server.log").read_text()[-2000:]
+        time.sleep(0.2)
+    os.killpg(victim.pid, signal.SIGKILL)
+    assert wait(ipi, run_folder, 240, [survivor]) == 0, (run_folder / "server.log").read_text()[-2000:]
+    done = np.loadtxt(out, ndmin=2)
+    assert list(done[:, 0]) == list(range(steps + 1))
+    assert np.all(np.isfinite(done[:, 1:]))
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        ({"template": "wrong.xyz"}, "i-PI sent 24 atoms but the template"),
+        ({"model": "no-such-model"}, "unknown model 'no-such-model'"),
+        ({"precision": "fp64"}, "unknown precision 'fp64'"),
+        ({"colour": "blue"}, "unknown tcpet driver option(s) colour"),
+    ],
+)
+def test_bad_input_stops_the_driver_with_a_clear_error(run_folder, processes, options, message):
+    ase.io.write(run_folder / "wrong.xyz", water_box(4, seed=1))  # 12 atoms, not 24
+    server(processes, run_folder, steps=2)
+    if "template" in options:
+        options = dict(options, template=str(run_folder / options["template"]))
+    process = driver(processes, run_folder, "driver", **options)
+    assert wait(process, run_folder, 120) != 0
+    assert message in (run_folder / "driver.log").read_text()
