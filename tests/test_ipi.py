@@ -18,39 +18,11 @@ import pytest
 pytest.importorskip("ipi")
 
 from ase_tcfp32 import TCPETCalculator  # noqa: E402
+from ase_tcfp32.ipi import pimd_input  # noqa: E402
 from ase_tcfp32.validation import water_box  # noqa: E402
 
 BIN = Path(sys.executable).parent
 MODEL = "pet-demo-chgnet"
-INPUT = """<simulation verbosity='low' sockets_prefix='{folder}/' safe_stride='100000'>
-  <output prefix='{folder}/sim'>
-    <properties stride='1' filename='out'> [ step, bead_potentials{{electronvolt}} ] </properties>
-    <trajectory filename='pos' stride='1' format='ase'> positions{{ase}} </trajectory>
-    <trajectory filename='for' stride='1' format='ase'> forces{{ase}} </trajectory>
-    <checkpoint stride='100000'/>
-  </output>
-  <total_steps>{steps}</total_steps>
-  <prng><seed>31415</seed></prng>
-  <ffsocket name='pet' mode='unix' pbc='false'>
-    <address>pet</address> <latency>1e-3</latency> <batch_size>{batch}</batch_size>
-    <consolidate_messages>{consolidate}</consolidate_messages>
-  </ffsocket>
-  <system>
-    <initialize nbeads='4'>
-      <file mode='ase'> {folder}/water.xyz </file>
-      <velocities mode='thermal' units='kelvin'> 300 </velocities>
-    </initialize>
-    <forces><force forcefield='pet'> </force></forces>
-    <motion mode='dynamics'>
-      <dynamics mode='nvt'>
-        <timestep units='femtosecond'> 0.5 </timestep>
-        <thermostat mode='pile_l'><tau units='femtosecond'> 100 </tau></thermostat>
-      </dynamics>
-    </motion>
-    <ensemble><temperature units='kelvin'> 300 </temperature></ensemble>
-  </system>
-</simulation>
-"""
 
 
 @pytest.fixture
@@ -91,7 +63,9 @@ def processes():
 
 
 def server(processes, folder, steps, batch=4, consolidate=True):
-    (folder / "input.xml").write_text(INPUT.format(folder=folder, steps=steps, batch=batch, consolidate=consolidate))
+    xml = pimd_input(f"{folder}/water.xyz", beads=4, steps=steps, batch_size=batch, sockets=f"{folder}/",
+                     prefix=f"{folder}/sim", consolidate=consolidate)  # fmt: skip
+    (folder / "input.xml").write_text(xml)
     process = processes.start([str(BIN / "i-pi"), "input.xml"], folder, "server")
     deadline = time.time() + 60
     while not (folder / "pet").exists():  # the server's socket
@@ -148,7 +122,7 @@ def test_pimd_served_by_two_drivers_matches_direct_evaluation(run_folder, proces
             atoms.calc = calc
             direct = atoms.get_forces()
             assert np.abs(forces[step].get_forces() - direct).max() <= 1e-4 * max(1.0, np.abs(direct).max())
-            assert properties[step, 1 + bead] == pytest.approx(atoms.get_potential_energy(), abs=1e-4)
+            assert properties[step, 2 + bead] == pytest.approx(atoms.get_potential_energy(), abs=1e-4)
 
 
 def test_a_killed_driver_loses_no_step(run_folder, processes):

@@ -1,0 +1,171 @@
+"""Path-integral MD through i-PI: bead-steps and atom-steps per second per batch size.
+
+    python benchmarks/ipi.py [--model s] [--beads 32] [--molecules 64] [--batches 1,32]
+                             [--precisions fp32,auto] [--engines auto,graphs] [--large 5760] [--out FILE.json]
+
+A real i-PI server (unix socket) runs PIMD NVT of a water box with ``--beads`` beads; one
+driver process (``ase_tcfp32.ipi``) evaluates the forces, one structure per request
+(``batch_size`` 1) or ``--batches`` structures per request, in each precision and engine.
+The time per MD step is the median interval between consecutive lines of i-PI's output
+file after ``--warmup`` steps. ``--large N`` also runs one N-molecule box (1 bead) through
+i-PI and the same box in ASE in this process: what the socket costs. Drivers of
+:func:`run` can be spread over GPUs (``benchmarks/ipi_multi_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+# this file is named like the i-PI package: keep its folder off the import path
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+BIN = Path(sys.executable).parent
+
+
+def run(model: str, structure, *, beads: int, steps: int, warmup: int, batch_size: int,
+        drivers: list[dict], timeout: float = 540.0) -> dict:  # fmt: skip
+    """One i-PI run; ``drivers``: per driver process its options (``precision``, ``engine``,
+    ``device``) and, optionally, ``env`` (e.g. ``CUDA_VISIBLE_DEVICES``). Returns the median
+    ms per MD step after ``warmup`` steps and the seconds to the first step."""
+    import ase.io
+
+    from ase_tcfp32 import ipi
+
+    folder = Path(tempfile.mkdtemp(prefix="tcpet-bench-"))
+    started = []
+    try:
+        ase.io.write(folder / "structure.xyz", structure)
+        xml = ipi.pimd_input(f"{folder}/structure.xyz", beads=beads, steps=warmup + steps, batch_size=batch_size,
+                             sockets=f"{folder}/", prefix=f"{folder}/sim", trajectory_stride=100000)  # fmt: skip
+        (folder / "input.xml").write_text(xml)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        start = time.perf_counter()
+        server = subprocess.Popen([str(BIN / "i-pi"), "input.xml"], cwd=folder, stdout=open(folder / "server.log", "w"),
+                                  stderr=subprocess.STDOUT, env=env, start_new_session=True)  # fmt: skip
+        started.append(server)
+        while not (folder / "pet").exists():
+            if server.poll() is not None or time.perf_counter() - start > 60:
+                raise RuntimeError((folder / "server.log").read_text()[-2000:])
+            time.sleep(0.1)
+        for k, options in enumerate(drivers):
+            options = dict(options)
+            extra = options.pop("env", {})
+            params = {"template": f"{folder}/structure.xyz", "model": model, **options}
+            args = [sys.executable, str(BIN / "i-pi-py_driver"), "-m", "custom", "-P", ipi.__file__, "-u", "-a", "pet",
+                    "-S", f"{folder}/", "-o", ",".join(f"{key}={value}" for key, value in params.items())]  # fmt: skip
+            started.append(subprocess.Popen(args, cwd=folder, stdout=open(folder / f"driver{k}.log", "w"),
+                                            stderr=subprocess.STDOUT, env={**env, **extra}, start_new_session=True))  # fmt: skip
+        stamps, lines, out = [], 0, folder / "sim.out"
+        while server.poll() is None:
+            if time.perf_counter() - start > timeout or all(p.poll() is not None for p in started[1:]):
+                logs = "".join(p.read_text()[-1500:] for p in sorted(folder.glob("*.log")))
+                raise RuntimeError(f"i-PI run did not finish: {logs}")
+            if out.exists():
+                count = sum(1 for line in out.read_text().splitlines() if line and not line.startswith("#"))
+                stamps += [time.perf_counter()] * (count - lines)
+                lines = count
+            time.sleep(0.002)
+        intervals = np.diff(stamps[warmup:])
+        return {"ms_per_step": 1000 * float(np.median(intervals)), "first_step_s": stamps[0] - start if stamps else None,
+                "steps_timed": len(intervals)}  # fmt: skip
+    finally:
+        for process in started:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def ase_step_ms(model: str, structure, precision: str, steps: int) -> float:
+    """Median ms per ASE velocity-Verlet step of ``structure`` in this process (default engine)."""
+    import torch
+    from ase.md.verlet import VelocityVerlet
+    from ase.units import fs
+
+    from ase_tcfp32 import TCPETCalculator
+
+    atoms = structure.copy()
+    atoms.calc = TCPETCalculator(model, precision=precision)
+    dyn = VelocityVerlet(atoms, 0.5 * fs)
+    dyn.run(3)
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dyn.run(1)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 1000 * float(np.median(times))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="s", help="PET-MAD shape of the random-weight model (tiny, xs, s, m)")
+    parser.add_argument("--beads", type=int, default=32)
+    parser.add_argument("--molecules", type=int, default=64)
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--precisions", default="fp32,auto")
+    parser.add_argument("--engines", default="auto,graphs", help="engines tried per batch size (the fastest counts)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--large", type=int, default=0, help="also one box of this many molecules, i-PI vs ASE")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    from ase_tcfp32.models import random_checkpoint
+    from ase_tcfp32.validation import water_box
+    from ase_tcfp32.validation.common import environment
+
+    model = str(random_checkpoint(args.model))
+    water = water_box(args.molecules, seed=0)
+    rows = []
+    print(f"{'precision':>9} {'engine':>7} {'batch':>5} {'ms/step':>9} {'bead-steps/s':>12} {'atom-steps/s':>12}")
+    for precision in args.precisions.split(","):
+        for batch in map(int, args.batches.split(",")):
+            for engine in args.engines.split(","):
+                row = {"precision": precision, "engine": engine, "batch_size": batch, "beads": args.beads,
+                       "atoms": len(water), "model": f"random-{args.model}"}  # fmt: skip
+                try:
+                    row.update(run(model, water, beads=args.beads, steps=args.steps, warmup=args.warmup, batch_size=batch,
+                                   drivers=[{"precision": precision, "engine": engine}]))  # fmt: skip
+                    row["bead_steps_per_s"] = args.beads * 1000 / row["ms_per_step"]
+                    row["atom_steps_per_s"] = row["bead_steps_per_s"] * len(water)
+                    print(f"{precision:>9} {engine:>7} {batch:>5} {row['ms_per_step']:9.1f} {row['bead_steps_per_s']:12.0f} "
+                          f"{row['atom_steps_per_s']:12.0f}", flush=True)  # fmt: skip
+                except Exception as error:  # a configuration that fails must not stop the others
+                    row["error"] = str(error)[-1500:]
+                    print(f"{precision:>9} {engine:>7} {batch:>5} failed: {row['error'][-300:]}", flush=True)
+                rows.append(row)
+                save(args.out, rows, environment)
+    if args.large:
+        large = water_box(args.large, seed=0)
+        for precision in args.precisions.split(","):
+            row = {"precision": precision, "engine": "auto", "batch_size": 1, "beads": 1, "atoms": len(large),
+                   "model": f"random-{args.model}", "large": True}  # fmt: skip
+            row.update(run(model, large, beads=1, steps=4, warmup=2, batch_size=1, drivers=[{"precision": precision}]))
+            row["ase_ms_per_step"] = ase_step_ms(model, large, precision, steps=4)
+            row["atom_steps_per_s"] = len(large) * 1000 / row["ms_per_step"]
+            print(f"{len(large)} atoms, {precision}: i-PI {row['ms_per_step']:.1f} ms/step, ASE {row['ase_ms_per_step']:.1f} "
+                  f"ms/step, {row['atom_steps_per_s']:.0f} atom-steps/s through i-PI", flush=True)  # fmt: skip
+            rows.append(row)
+            save(args.out, rows, environment)
+
+
+def save(path, rows, environment) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump({"environment": environment("cuda"), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
