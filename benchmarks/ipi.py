@@ -113,7 +113,7 @@ def main() -> None:
     parser.add_argument("--model", default="s", help="PET-MAD shape of the random-weight model (tiny, xs, s, m)")
     parser.add_argument("--beads", type=int, default=32)
     parser.add_argument("--molecules", type=int, default=64)
-    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--batches", default="1,32", help="batch sizes ('' for none: only --large)")
     parser.add_argument("--precisions", default="fp32,auto")
     parser.add_argument("--engines", default="auto,graphs", help="engines tried per batch size (the fastest counts)")
     parser.add_argument("--steps", type=int, default=10)
@@ -122,6 +122,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
+    from ase_tcfp32.calculator import GRAPH_ATOMS
     from ase_tcfp32.models import random_checkpoint
     from ase_tcfp32.validation import water_box
     from ase_tcfp32.validation.common import environment
@@ -130,9 +131,11 @@ def main() -> None:
     water = water_box(args.molecules, seed=0)
     rows = []
     print(f"{'precision':>9} {'engine':>7} {'batch':>5} {'ms/step':>9} {'bead-steps/s':>12} {'atom-steps/s':>12}")
-    for precision in args.precisions.split(","):
+    for precision in args.precisions.split(",") if args.batches else []:
         for batch in map(int, args.batches.split(",")):
             for engine in args.engines.split(","):
+                if engine == "graphs" and batch * len(water) <= GRAPH_ATOMS:
+                    continue  # what "auto" runs at this size
                 row = {"precision": precision, "engine": engine, "batch_size": batch, "beads": args.beads,
                        "atoms": len(water), "model": f"random-{args.model}"}  # fmt: skip
                 try:
@@ -152,8 +155,9 @@ def main() -> None:
         for precision in args.precisions.split(","):
             row = {"precision": precision, "engine": "auto", "batch_size": 1, "beads": 1, "atoms": len(large),
                    "model": f"random-{args.model}", "large": True}  # fmt: skip
-            row.update(run(model, large, beads=1, steps=4, warmup=2, batch_size=1, drivers=[{"precision": precision}]))
-            row["ase_ms_per_step"] = ase_step_ms(model, large, precision, steps=4)
+            row.update(run(model, large, beads=1, steps=args.steps, warmup=args.warmup, batch_size=1,
+                           drivers=[{"precision": precision}]))  # fmt: skip
+            row["ase_ms_per_step"] = ase_step_ms(model, large, precision, steps=args.steps)
             row["atom_steps_per_s"] = len(large) * 1000 / row["ms_per_step"]
             print(f"{len(large)} atoms, {precision}: i-PI {row['ms_per_step']:.1f} ms/step, ASE {row['ase_ms_per_step']:.1f} "
                   f"ms/step, {row['atom_steps_per_s']:.0f} atom-steps/s through i-PI", flush=True)  # fmt: skip
