@@ -29,7 +29,8 @@ import numpy as np
 
 # this file is named like the i-PI package: keep its folder off the import path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-BIN = Path(sys.executable).parent
+I_PI = shutil.which("i-pi") or str(Path(sys.executable).parent / "i-pi")
+DRIVER = shutil.which("i-pi-py_driver") or str(Path(sys.executable).parent / "i-pi-py_driver")
 
 
 def run(model: str, structure, *, beads: int, steps: int, warmup: int, batch_size: int,
@@ -50,7 +51,7 @@ def run(model: str, structure, *, beads: int, steps: int, warmup: int, batch_siz
         (folder / "input.xml").write_text(xml)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         start = time.perf_counter()
-        server = subprocess.Popen([str(BIN / "i-pi"), "input.xml"], cwd=folder, stdout=open(folder / "server.log", "w"),
+        server = subprocess.Popen([I_PI, "input.xml"], cwd=folder, stdout=open(folder / "server.log", "w"),
                                   stderr=subprocess.STDOUT, env=env, start_new_session=True)  # fmt: skip
         started.append(server)
         while not (folder / "pet").exists():
@@ -61,7 +62,7 @@ def run(model: str, structure, *, beads: int, steps: int, warmup: int, batch_siz
             options = dict(options)
             extra = options.pop("env", {})
             params = {"template": f"{folder}/structure.xyz", "model": model, **options}
-            args = [sys.executable, str(BIN / "i-pi-py_driver"), "-m", "custom", "-P", ipi.__file__, "-u", "-a", "pet",
+            args = [sys.executable, DRIVER, "-m", "custom", "-P", ipi.__file__, "-u", "-a", "pet",
                     "-S", f"{folder}/", "-o", ",".join(f"{key}={value}" for key, value in params.items())]  # fmt: skip
             started.append(subprocess.Popen(args, cwd=folder, stdout=open(folder / f"driver{k}.log", "w"),
                                             stderr=subprocess.STDOUT, env={**env, **extra}, start_new_session=True))  # fmt: skip
