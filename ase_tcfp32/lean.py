@@ -23,6 +23,7 @@ metatomic path to FP32 rounding (``tests/test_lean.py``).
 
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import NamedTuple
 
@@ -427,6 +428,10 @@ class Structures(NamedTuple):
         )
 
 
+_RECORDING = threading.Lock()
+"""One graph recorded at a time in the process (calculators on several GPUs in threads)."""
+
+
 class _Graph:
     """One recorded step of a :class:`LeanPET` for fixed atoms, pair capacity and width."""
 
@@ -440,7 +445,8 @@ class _Graph:
                 lean._step(*self.inputs, stress)
         torch.cuda.current_stream(lean.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # thread-local capture: other threads (a calculator on another GPU) keep working
+        with _RECORDING, torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.outputs = lean._step(*self.inputs, stress)
 
     def replay(self, *inputs) -> dict:
