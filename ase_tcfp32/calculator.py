@@ -56,6 +56,24 @@ def _check_emulation(emulate: str, precision: str, device) -> None:
         raise ValueError(f"emulate={emulate!r} runs the tensor-core model on CPU; pass device='cpu' or None")
 
 
+def out_of_memory_message(pet: torch.nn.Module, atoms: int, memory: int, gpu: str, low_memory: bool) -> str:
+    """What to say when ``atoms`` atoms of metatrain ``pet`` did not fit in the ``memory``
+    bytes of GPU ``gpu``: the estimated largest system, and what else to try. The estimate
+    scales the largest water boxes measured on an H200 (139 GB, eager, docs/performance.md:
+    PET-S shape, d_pet 256 with 3 GNN x 1 attention layers, 49,152 atoms and 82,944 with
+    ``low_memory``; PET-M shape, d_pet 384 with 3 x 2, 15,360 and 32,256) by width x depth."""
+    backend = pet.backend
+    attention = pet.hypers.get("num_attention_layers", 1)
+    per_atom = 139e9 / 49_152 * (backend.d_pet / 256) * len(backend.gnn_layers) / 3 * attention
+    fits = int(memory / per_atom)
+    hint = ("" if low_memory else
+            f" With low_memory=True (each GNN layer recomputed in the backward pass) about {int(fits * 1.7):,} would.")  # fmt: skip
+    return (f"{atoms:,} atoms did not fit in the {memory / 1e9:.0f} GB of {gpu} with this model (d_pet "
+            f"{backend.d_pet}, {len(backend.gnn_layers)} GNN layers). Estimated largest system here: about {fits:,} "
+            f"atoms (from the water boxes measured on an H200, docs/performance.md).{hint} Smaller systems, or "
+            "several GPUs through i-PI for many structures (docs/scaling.md), are the other ways out.")  # fmt: skip
+
+
 ENGINES = ("auto", "metatomic", "lean", "graphs")
 """How the calculator evaluates the model (see :class:`TCPETCalculator`)."""
 
@@ -314,21 +332,8 @@ class TCPETCalculator(Calculator):
         return results
 
     def _out_of_memory(self, atoms: int) -> str:
-        """What to say when ``atoms`` atoms did not fit on the GPU."""
-        backend = self.pet.backend
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        # measured on the H200 (139 GB), eager, largest water boxes (docs/performance.md):
-        # PET-S shape (d_pet 256, 3 GNN x 1 attention layer) 49,152 atoms, 82,944 with low_memory
-        # and PET-M shape (d_pet 384, 3 x 2) 15,360: memory ~ d_pet x GNN layers x attention layers
-        per_atom = 139e9 / 49_152 * (backend.d_pet / 256) * len(backend.gnn_layers) / 3
-        per_atom *= self.pet.hypers.get("num_attention_layers", 1)
-        fits = int(total / per_atom)
-        hint = ("" if self.low_memory else
-                f" With low_memory=True (each GNN layer recomputed in the backward pass) about {int(fits * 1.7):,} would.")  # fmt: skip
-        return (f"{atoms:,} atoms did not fit in the {total / 1e9:.0f} GB of {torch.cuda.get_device_name(self.device)} "
-                f"with this model (d_pet {backend.d_pet}, {len(backend.gnn_layers)} GNN layers). Estimated largest "
-                f"system here: about {fits:,} atoms (from the water boxes measured on an H200, docs/performance.md)."
-                f"{hint} Smaller systems, or several GPUs through i-PI (docs/scaling.md), are the other ways out.")  # fmt: skip
+        properties = torch.cuda.get_device_properties(self.device)
+        return out_of_memory_message(self.pet, atoms, properties.total_memory, properties.name, self.low_memory)
 
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes):
         if atoms is not None:

@@ -271,3 +271,19 @@ def test_offline_model_name_fails_at_once_without_the_download_code(monkeypatch)
     with pytest.raises(ModelDownloadError, match="cannot be reached.*pet-demo-chgnet"):
         TCPETCalculator("pet-mad-xs", device="cpu")
     assert ("upet._models" in sys.modules) == loaded
+
+
+def test_out_of_memory_message_says_what_fits():
+    """The estimate reproduces the measured largest boxes of the H200 (PET-S 49,152 and
+    PET-M 15,360 atoms in 139 GB) to 10%, and suggests low_memory unless it is on."""
+    import re
+
+    from ase_tcfp32.calculator import out_of_memory_message
+    from ase_tcfp32.models import random_pet
+
+    for shape, measured in (("s", 49_152), ("m", 15_360)):
+        message = out_of_memory_message(random_pet(shape), 60_000, int(139e9), "NVIDIA H200", low_memory=False)
+        fits = int(re.search(r"about ([\d,]+) atoms", message)[1].replace(",", ""))
+        assert abs(fits - measured) / measured < 0.1, message
+        assert "60,000 atoms did not fit" in message and "low_memory=True" in message
+    assert "low_memory=True" not in out_of_memory_message(random_pet("s"), 10, int(80e9), "A100", low_memory=True)

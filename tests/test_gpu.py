@@ -630,3 +630,21 @@ def test_a_batch_of_32_copies_gives_what_32_single_calls_give(water192):
         assert result["energy"] == pytest.approx(single["energy"], rel=3e-6, abs=1e-4)
         assert np.abs(result["forces"] - single["forces"]).max() < 3e-5
         assert np.abs(result["stress"] - single["stress"]).max() < 1e-6
+
+
+def test_out_of_memory_says_what_fits_and_the_calculator_recovers():
+    """A system too large for the memory it may use: torch.OutOfMemoryError with the
+    estimate and the low_memory hint; then a small system works on the same calculator."""
+    from ase_tcfp32.models import random_checkpoint
+    from ase_tcfp32.validation import water_box
+
+    calc = TCPETCalculator(random_checkpoint("s"), device="cuda")
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(0.02)  # ~2.8 GB of an H200
+    try:
+        with pytest.raises(torch.OutOfMemoryError, match="did not fit in the .* Estimated largest system here"):
+            calc.evaluate([water_box(5760, seed=0)])
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    assert np.isfinite(calc.evaluate([water_box(64, seed=0)])[0]["forces"]).all()
