@@ -26,6 +26,8 @@ from .compilation import compile_backend
 from .layers import EMULATED, swap_linear_layers
 from .lean import LeanPET
 from .models import import_dependencies, load_pet, recompute_gnn_layers
+from .progress import enabled as show_progress
+from .progress import shown
 from .precision import check_name, ieee_fp32_matmul, resolve_precision, support
 from .tcmodel import tensor_core
 
@@ -140,6 +142,8 @@ class TCPETCalculator(Calculator):
         see :mod:`ase_tcfp32.lean`) or ``"graphs"`` (``"lean"`` recorded as a CUDA graph
         per neighbour-table size and replayed; CUDA only). All give the same results to
         FP32 rounding.
+    :param progress: show what a first evaluation lasting over 2 s is doing (compiling,
+        tuning, recording graphs) on standard error; default ``$ASE_TCFP32_PROGRESS``, else on.
     :param check_accuracy: the accuracy watchdog (:mod:`ase_tcfp32.watchdog`): every N-th
         evaluation, starting with the first, checks sampled rows of every emulated layer
         against FP64 and warns (:class:`ase_tcfp32.PrecisionWarning`) where the emulated
@@ -165,10 +169,13 @@ class TCPETCalculator(Calculator):
         low_memory: bool = False,
         engine: str = "auto",
         check_accuracy: int | None = None,
+        progress: bool | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
         check_name(precision)
+        self.progress = show_progress(progress)
+        self._evaluations = 0
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}: use one of {', '.join(ENGINES)}")
         if engine == "graphs" and low_memory:
@@ -301,7 +308,7 @@ class TCPETCalculator(Calculator):
         stress = any(atoms.pbc.all() for atoms in structures)
         on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         try:
-            with on_device, ieee_fp32_matmul(), watchdog.deferred():
+            with self._first_call(sum(map(len, structures))), on_device, ieee_fp32_matmul(), watchdog.deferred():
                 if self._lean is not None:
                     results = self._lean.compute(structures, stress)
                 else:
@@ -313,6 +320,13 @@ class TCPETCalculator(Calculator):
             if "stress" in result:
                 result["stress"] = full_3x3_to_voigt_6_stress(result["stress"])
         return results
+
+    def _first_call(self, atoms: int) -> contextlib.AbstractContextManager:
+        """The progress line of the calculator's first evaluation (:mod:`ase_tcfp32.progress`)."""
+        self._evaluations += 1
+        if self._evaluations > 1 or not self.progress:
+            return contextlib.nullcontext()
+        return shown(f"ase-tcfp32: first evaluation ({atoms} atoms)")
 
     def _metatomic_batch(self, structures: list[Atoms], stress: bool) -> list[dict]:
         """:meth:`evaluate` through metatomic-ase (one model call for the batch)."""
@@ -346,7 +360,7 @@ class TCPETCalculator(Calculator):
             return
         wanted = ["energy", "forces"] + (["energies"] if "energies" in properties else [])
         try:
-            with ieee_fp32_matmul(), watchdog.deferred():
+            with self._first_call(len(self.atoms)), ieee_fp32_matmul(), watchdog.deferred():
                 self._metatomic.calculate(self.atoms, wanted, system_changes)
         except torch.OutOfMemoryError as error:
             raise torch.OutOfMemoryError(self._out_of_memory(len(self.atoms))) from error

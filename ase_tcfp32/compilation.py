@@ -7,6 +7,8 @@ from typing import Callable
 
 import torch
 
+from . import progress
+
 _DYNAMO_OPTIONS = dict(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True, specialize_int=True)
 """What PET's data-dependent shapes need (metatrain's own torch.compile recipe)."""
 _INDUCTOR_OPTIONS = {"triton.coalesce_tiling_analysis": False}
@@ -16,9 +18,10 @@ _INDUCTOR_OPTIONS = {"triton.coalesce_tiling_analysis": False}
 def compiled(function: Callable) -> Callable:
     """``function`` through ``torch.compile(dynamic=True)``: moving atoms do not recompile."""
     compiled_function = torch.compile(function, dynamic=True, options=_INDUCTOR_OPTIONS)
+    name = f"torch.compile of {getattr(function, '__name__', 'the model')} (first call; cached on disk)"
 
     def call(*args, **kwargs):
-        with torch._dynamo.config.patch(**_DYNAMO_OPTIONS):  # scoped: no global change
+        with torch._dynamo.config.patch(**_DYNAMO_OPTIONS), progress.doing(name):  # scoped: no global change
             return compiled_function(*args, **kwargs)
 
     return call

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from ase import Atoms
 
-from . import watchdog
+from . import progress, watchdog
 from .compilation import compiled
 
 _FAR = 1.0e6
@@ -403,7 +403,8 @@ class LeanPET:
         if self._graph is None or self._graph.stress != stress:
             self._graph = None  # its memory goes before the next one is recorded
             torch.cuda.synchronize(self.device)
-            self._graph = _Graph(self, (positions, cells, numbers, system), stress)
+            with progress.doing(f"recording a CUDA graph ({positions.shape[0]} atoms, table width {self.width})"):
+                self._graph = _Graph(self, (positions, cells, numbers, system), stress)
             self.recordings += 1
         return self._graph.replay(positions, cells, numbers, system)
 

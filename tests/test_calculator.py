@@ -287,3 +287,23 @@ def test_out_of_memory_message_says_what_fits():
         assert abs(fits - measured) / measured < 0.1, message
         assert "60,000 atoms did not fit" in message and "low_memory=True" in message
     assert "low_memory=True" not in out_of_memory_message(random_pet("s"), 10, int(80e9), "A100", low_memory=True)
+
+
+def test_a_long_first_evaluation_says_what_it_is_doing(tiny_ckpt, water, monkeypatch, capsys):
+    """Past progress.DELAY seconds the first evaluation shows a status line on stderr (here
+    with the delay at 0 and compile=True, whose first call compiles); progress=False and
+    later evaluations show none."""
+    from ase_tcfp32 import progress
+
+    monkeypatch.setattr(progress, "DELAY", 0.0)
+    water.calc = TCPETCalculator(tiny_ckpt, device="cpu", precision="fp32", compile=True)
+    water.get_forces()
+    err = capsys.readouterr().err
+    assert "ase-tcfp32: first evaluation (24 atoms)" in err and "torch.compile" in err
+    water.positions += 0.01
+    water.get_forces()
+    assert "first evaluation" not in capsys.readouterr().err
+    quiet = water.copy()
+    quiet.calc = TCPETCalculator(tiny_ckpt, device="cpu", precision="fp32", progress=False)
+    quiet.get_forces()
+    assert "first evaluation" not in capsys.readouterr().err

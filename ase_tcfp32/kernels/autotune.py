@@ -139,4 +139,7 @@ def tuned_gemm(kernel: str, n: int, k: int, device: torch.device, candidates: li
         run, x = launcher(config), operand()
         return do_bench(lambda: run(x), warmup=5, rep=25, return_mode="median")
 
-    return tuned(f"{device_key(device)}|{kernel}|n={n}|k={k}", candidates, measure)
+    from ..progress import doing
+
+    with doing(f"tuning the {kernel} GEMM of a {k} -> {n} layer"):
+        return tuned(f"{device_key(device)}|{kernel}|n={n}|k={k}", candidates, measure)

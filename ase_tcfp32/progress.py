@@ -1,0 +1,62 @@
+"""What a long first evaluation is doing, shown once it has lasted :data:`DELAY` seconds.
+
+The first evaluation of a calculator compiles GPU kernels, tunes each layer's GEMM
+configuration (once per machine: :mod:`ase_tcfp32.kernels.autotune`), records CUDA graphs
+and, with ``compile=True``, runs ``torch.compile``: seconds to minutes on a fresh machine.
+While it runs past :data:`DELAY` seconds a status line on standard error (tqdm) says for how
+long and what is going on. ``TCPETCalculator(progress=False)`` or ``ASE_TCFP32_PROGRESS=0``
+silence it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+from typing import Iterator
+
+DELAY = 2.0
+"""Seconds before the status line appears (shorter first calls show nothing)."""
+
+_doing: list[str] = []
+"""What the running first evaluation is doing now, innermost last (any thread appends)."""
+
+
+def enabled(value: bool | None) -> bool:
+    """``value`` when given, else ``$ASE_TCFP32_PROGRESS`` (default on; ``0`` off)."""
+    return value if value is not None else os.environ.get("ASE_TCFP32_PROGRESS", "1") != "0"
+
+
+@contextlib.contextmanager
+def doing(what: str) -> Iterator[None]:
+    """Name the work of this block in the status line (tuning, recording, compiling)."""
+    _doing.append(what)
+    try:
+        yield
+    finally:
+        _doing.remove(what)
+
+
+@contextlib.contextmanager
+def shown(label: str) -> Iterator[None]:
+    """Show ``label``, the elapsed time and what is being done, from :data:`DELAY` seconds
+    into the block until its end."""
+    from tqdm.auto import tqdm
+
+    stop = threading.Event()
+
+    def watch() -> None:
+        if stop.wait(DELAY):
+            return
+        with tqdm(desc=label, bar_format="{desc} {elapsed}{postfix}", file=sys.stderr, leave=False) as line:
+            while not stop.wait(0.25):
+                line.set_postfix_str(_doing[-1] if _doing else "compiling GPU kernels on first use", refresh=True)
+
+    thread = threading.Thread(target=watch, name="ase-tcfp32 progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
