@@ -79,11 +79,13 @@ def out_of_memory_message(pet: torch.nn.Module, atoms: int, memory: int, gpu: st
 ENGINES = ("auto", "metatomic", "lean", "graphs")
 """How the calculator evaluates the model (see :class:`TCPETCalculator`)."""
 
-GRAPH_ATOMS = 5000
-"""``engine="auto"`` replays CUDA graphs for systems up to this many atoms. Small systems
-are bound by kernel launches, which a graph removes (192 water atoms, PET-S shape, fp16x3 on
-an H200: 8.5 ms per MD step against 68.9 ms through metatomic-ase); large ones keep the GPU
-busy anyway, and a graph would only hold its memory."""
+GRAPH_ATOMS = 8192
+"""``engine="auto"`` replays CUDA graphs for systems (or batches) up to this many atoms.
+Small systems are bound by kernel launches, which a graph removes (192 water atoms, PET-S
+shape, fp16x3 on an H200: 8.5 ms per MD step against 68.9 ms through metatomic-ase; 32 beads
+of it, 6,144 atoms, through i-PI: 137.0 ms per step against 154.9 ms with plain launches);
+large ones keep the GPU busy anyway (not measured between 6,144 and 17,280 atoms), and a
+graph would only hold its memory."""
 
 SMALL_SKIN, LARGE_SKIN = 2.0, 0.5
 """``engine="auto"``'s Verlet skin (Å) below and above :data:`GRAPH_ATOMS` atoms: a graph's
