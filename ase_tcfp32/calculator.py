@@ -1,7 +1,8 @@
 """``TCPETCalculator``: an ASE calculator running PET with tensor-core FP32 GEMMs.
 
 Energies, forces and stress come from the metatrain PET module whose Linear layers run
-in the chosen precision, evaluated either through metatomic-ase's ``MetatomicCalculator``
+in the chosen precision (``engine="auto"``, the default, picks how: :func:`choose_engine`),
+evaluated either through metatomic-ase's ``MetatomicCalculator``
 (``engine="metatomic"``: neighbour lists through vesin, forces and strain-derivative
 stress by autograd) or through :mod:`ase_tcfp32.lean` (``engine="lean"`` or
 ``"graphs"``: the same model on plain tensors with static shapes, for MD).

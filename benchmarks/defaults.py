@@ -53,6 +53,7 @@ def child(shape: str, molecules: int, kwargs: dict, steps: int) -> dict:
     from ase_tcfp32 import TCPETCalculator
     from ase_tcfp32.models import random_checkpoint
     from ase_tcfp32.validation import water_box
+    from ase_tcfp32.validation.common import md_step_times
 
     imports = time.perf_counter() - start
     model = random_checkpoint(shape)
@@ -66,13 +67,7 @@ def child(shape: str, molecules: int, kwargs: dict, steps: int) -> dict:
     torch.cuda.synchronize()
     first = time.perf_counter() - start
     dyn.run(3)
-    times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        dyn.run(1)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
+    times = md_step_times(dyn, steps)
     row = {"precision": calc.precision, "engine": calc.engine, "compiled": calc.compiled, "repr": repr(calc),
            "ms": 1000 * float(np.median(times)), "first_s": first, "imports_s": imports,
            "peak_GB": torch.cuda.max_memory_allocated() / 1e9}  # fmt: skip

@@ -89,24 +89,17 @@ def run(model: str, structure, *, beads: int, steps: int, warmup: int, batch_siz
 
 def ase_step_ms(model: str, structure, precision: str, steps: int) -> float:
     """Median ms per ASE velocity-Verlet step of ``structure`` in this process (default engine)."""
-    import torch
     from ase.md.verlet import VelocityVerlet
     from ase.units import fs
 
     from ase_tcfp32 import TCPETCalculator
+    from ase_tcfp32.validation.common import md_step_times
 
     atoms = structure.copy()
     atoms.calc = TCPETCalculator(model, precision=precision)
     dyn = VelocityVerlet(atoms, 0.5 * fs)
     dyn.run(3)
-    times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        dyn.run(1)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return 1000 * float(np.median(times))
+    return 1000 * float(np.median(md_step_times(dyn, steps)))
 
 
 def main() -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 import warnings
 
 import numpy as np
@@ -30,7 +29,7 @@ from ase.units import fs
 from ase_tcfp32 import TCPETCalculator
 from ase_tcfp32.models import random_checkpoint
 from ase_tcfp32.validation import water_box
-from ase_tcfp32.validation.common import environment
+from ase_tcfp32.validation.common import environment, md_step_times
 
 
 def time_steps(model, precision: str, atoms, steps: int, compile: bool, engine: str = "metatomic",
@@ -47,13 +46,7 @@ def time_steps(model, precision: str, atoms, steps: int, compile: bool, engine: 
     MaxwellBoltzmannDistribution(atoms, temperature_K=300, rng=np.random.default_rng(0))
     dyn = VelocityVerlet(atoms, 0.25 * fs)
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for i in range(warmup + steps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        dyn.run(1)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+    times = md_step_times(dyn, warmup + steps)
     row = {"ms": 1000 * float(np.median(times[warmup:])), "ms_min": 1000 * float(np.min(times[warmup:])),
            "first_s": times[0], "peak_GB": torch.cuda.max_memory_allocated() / 1e9}  # fmt: skip
     if calc._lean is not None:  # the lean engines' neighbour table and Verlet list

@@ -13,34 +13,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 import warnings
 
 import numpy as np
-import torch
 from ase.md.verlet import VelocityVerlet
 from ase.units import fs
 
 from ase_tcfp32 import PrecisionWarning, TCPETCalculator, watchdog
 from ase_tcfp32.models import random_checkpoint
 from ase_tcfp32.validation import water_box
-from ase_tcfp32.validation.common import environment
+from ase_tcfp32.validation.common import environment, md_step_times
 
 
 def steps_ms(model: str, atoms, every: int, steps: int) -> tuple[float, int]:
     atoms = atoms.copy()
     atoms.calc = TCPETCalculator(model, check_accuracy=every)
     dyn = VelocityVerlet(atoms, 0.25 * fs)
-    times = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", PrecisionWarning)
         dyn.run(2)
-        for _ in range(steps):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            dyn.run(1)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
+        times = md_step_times(dyn, steps)
     return 1000 * float(np.median(times)), sum(issubclass(w.category, PrecisionWarning) for w in caught)
 
 

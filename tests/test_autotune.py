@@ -3,6 +3,9 @@
 under every candidate are checked bit for bit in test_gpu.py."""
 
 import json
+import os
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -116,11 +119,7 @@ print(autotune.tuned(key, [{"stages": 3}, {"stages": 4}, {"stages": 6}], measure
 """
 
 
-def tuner(key: str, pause: float, cache) -> "subprocess.Popen":
-    import os
-    import subprocess
-    import sys
-
+def tuner(key: str, pause: float, cache) -> subprocess.Popen:
     env = dict(os.environ, ASE_TCFP32_CACHE=str(cache.parent))
     env.pop("ASE_TCFP32_AUTOTUNE", None)
     return subprocess.Popen([sys.executable, "-c", TUNER, key, str(pause)], env=env, stdout=subprocess.PIPE, text=True)
