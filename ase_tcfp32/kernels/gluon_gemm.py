@@ -9,7 +9,7 @@ runs; x, W_hi and W_lo come through a ``STAGES``-deep TMA ring, and the output l
 through a TMA store (out-of-range rows and columns are clipped by TMA, as loads are
 zero-filled). A warp-specialised variant has a producer warp issue the loads.
 
-Measured on H200 (``benchmarks/gluon_variants.py``, four runs): the warp-specialised
+Measured on H200 (``benchmarks/experiments/gluon_variants.py``, four runs): the warp-specialised
 variant at 4 stages 1.55-1.88x cuBLAS FP32 on the 17,280-atom PET-S shapes, the Triton
 kernel 1.44-1.80x in the same runs (about 3% apart on average, at the same error), so the
 Triton kernel stays the tf32x3 default. Compiled offline, ptxas serialises this kernel's

@@ -1,6 +1,6 @@
 """Time the tf32x3 forward kernel over tile configurations on large PET shapes.
 
-    python benchmarks/tune_tiles.py
+    python benchmarks/experiments/tune_tiles.py
 
 Prints ms and speed-up vs cuBLAS FP32 for each (BM, BN, BK, warps, stages, GROUP_M);
 used to choose ``tile_config`` in ``ase_tcfp32/kernels/triton_gemm.py``.

@@ -1,6 +1,6 @@
 """Count the operators of one MD step that make the host wait for the GPU, per engine.
 
-    python benchmarks/host_syncs.py [--model random:s] [--molecules 64] [--engines metatomic,lean]
+    python benchmarks/experiments/host_syncs.py [--model random:s] [--molecules 64] [--engines metatomic,lean]
 
 Runs a few ASE MD steps, then profiles one on the host (any device, CPU included) and
 counts the aten operators that, on a CUDA device, return a value the host must wait for:

@@ -5,7 +5,7 @@ small terms, FP32 running sum) with one structural change; every variant is time
 cuBLAS FP32 in the same run and its error vs FP64 printed, so that a faster variant that
 loses accuracy shows up. Results go to ``docs/kernel_notes.md``.
 
-    python benchmarks/kernel_variants.py [--json out.json]
+    python benchmarks/experiments/kernel_variants.py [--json out.json]
 """
 
 from __future__ import annotations

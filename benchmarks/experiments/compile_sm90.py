@@ -1,6 +1,6 @@
 """Compile our tf32x3 kernels for sm_90 without a GPU and report their structure.
 
-    python benchmarks/compile_sm90.py      # needs Triton (3.6 is what the H200 runs)
+    python benchmarks/experiments/compile_sm90.py      # needs Triton (3.6 is what the H200 runs)
 
 For the production Triton kernel, the Gluon tf32x3 kernels and the fp16x3 kernel: wgmma instructions
 and ``wgmma.wait_group`` values in the PTX (how often the tensor cores are waited for per

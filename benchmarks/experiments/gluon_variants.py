@@ -1,9 +1,9 @@
 """Variants of the Gluon kernels (tf32x3, fp16x3) on the large PET-S GEMMs (Hopper).
 
-    python benchmarks/gluon_variants.py [--out FILE.json]
+    python benchmarks/experiments/gluon_variants.py [--out FILE.json]
 
 For each variant (compiled offline first: registers, spills, waits in
-``benchmarks/compile_sm90.py``), forward time on the 17,280-atom PET-S shapes against
+``benchmarks/experiments/compile_sm90.py``), forward time on the 17,280-atom PET-S shapes against
 cuBLAS FP32 and the production Triton tf32x3 kernel in the same run, and the error vs FP64
 as a multiple of cuBLAS FP32's; cuBLAS TF32 and FP16 (one pass each, not FP32-accurate)
 are timed as the tensor cores' practical rates.
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 from triton.testing import do_bench
@@ -20,7 +22,8 @@ from triton.testing import do_bench
 from ase_tcfp32.kernels import fp16x3, gluon_gemm
 from ase_tcfp32.kernels.triton_gemm import TritonBackend
 from ase_tcfp32.precision import ieee_fp32_matmul
-from gemm import environment  # benchmarks/gemm.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for gemm.py
+from gemm import environment  # noqa: E402
 
 VARIANTS = {
     "128x128x32 s4 w8 ws": dict(BM=128, BN=128, BK=32, STAGES=4, GROUP_M=8, num_warps=8, WS=True),  # the default
