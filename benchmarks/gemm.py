@@ -168,7 +168,7 @@ def main() -> None:
         else:
             backends[f"triton_{precision}"] = TritonBackend(precision)
     if args.gluon:
-        from ase_tcfp32.kernels.gluon_gemm import GluonBackend
+        from ase_tcfp32.kernels.gluon_tf32x3 import GluonBackend
 
         backends["gluon_tf32x3"] = GluonBackend()
     results = {"environment": environment(), "shapes": []}

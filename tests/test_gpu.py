@@ -338,7 +338,7 @@ def test_compiled_graph_engine_matches_metatomic(tiny_ckpt, water192):
 def gluon_backend():
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is written for Hopper (sm_90)")
-    from ase_tcfp32.kernels.gluon_gemm import GluonBackend
+    from ase_tcfp32.kernels.gluon_tf32x3 import GluonBackend
 
     return GluonBackend()
 
@@ -355,9 +355,9 @@ GLUON_CONFIGS = {
 def test_gluon_tf32x3_matches_fp64(gluon_backend, shape, config):
     """Ragged M, K and N edges (TMA zero-fill and clipped stores), bias, the backward;
     error within :func:`assert_fp32_level` (1.2x cuBLAS FP32 at K >= 256)."""
-    from ase_tcfp32.kernels import gluon_gemm
+    from ase_tcfp32.kernels import gluon_tf32x3
 
-    config = GLUON_CONFIGS[config] or gluon_gemm.CONFIG
+    config = GLUON_CONFIGS[config] or gluon_tf32x3.CONFIG
     m, k, n = shape
     g = torch.Generator(device="cuda").manual_seed(m + k + n)
     x = torch.randn(m, k, device="cuda", generator=g)
@@ -367,7 +367,7 @@ def test_gluon_tf32x3_matches_fp64(gluon_backend, shape, config):
     exact = x.double() @ w.double().T + b.double()
     gy = torch.randn(m, n, device="cuda", generator=g)
     exact_dx = gy.double() @ w.double()
-    y, dx = gluon_gemm.launch(x, prepared.forward, b, config), gluon_gemm.launch(gy, prepared.backward, None, config)
+    y, dx = gluon_tf32x3.launch(x, prepared.forward, b, config), gluon_tf32x3.launch(gy, prepared.backward, None, config)
     for err, fp32, depth in [(rel_error(y, exact), rel_error(x @ w.T + b, exact), k), (rel_error(dx, exact_dx), rel_error(gy @ w, exact_dx), n)]:
         assert_fp32_level(err, fp32, depth, 1.2)
 

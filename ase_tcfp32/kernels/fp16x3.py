@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from . import autotune
 from .context import on_device
-from .gluon_gemm import descriptor, load_stage, ring, tile_offsets, tma_ready
+from .gluon_common import descriptor, load_stage, ring, tile_offsets, tma_ready
 from .split import split_fp16x3
 from .triton_gemm import min_rows, sm_count
 

@@ -22,7 +22,7 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from ase_tcfp32.kernels import fp16x3, gluon_gemm, triton_gemm
+from ase_tcfp32.kernels import fp16x3, gluon_tf32x3, triton_gemm
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -65,15 +65,15 @@ def main() -> None:
                             options=dict(num_warps=c["num_warps"], num_stages=c["num_stages"]))  # fmt: skip
     print("triton tf32x3:", structure(kernel))
 
-    g = gluon_gemm.CONFIG
+    g = gluon_tf32x3.CONFIG
     signature = {
         "x_desc": gluon_descriptor([g["BM"], g["BK"]]), "hi_desc": gluon_descriptor([g["BN"], g["BK"]]),
         "lo_desc": gluon_descriptor([g["BN"], g["BK"]]), "y_desc": gluon_descriptor([g["BM"], g["BN"]]),
         "bias_ptr": "*fp32", "M": "i32", "N": "i32", "HAS_BIAS": "constexpr", "STAGES": "constexpr",
         "GROUP_M": "constexpr", "num_warps": "constexpr",
     }  # fmt: skip
-    variants = [("gluon", gluon_gemm._tf32x3_kernel, 32, 3, {}), ("gluon", gluon_gemm._tf32x3_kernel, 32, 4, {})]
-    variants += [("gluon, warp-specialised", gluon_gemm._tf32x3_ws_kernel, bk, stages, {}) for bk, stages in ((32, 4), (16, 8))]
+    variants = [("gluon", gluon_tf32x3._tf32x3_kernel, 32, 3, {}), ("gluon", gluon_tf32x3._tf32x3_kernel, 32, 4, {})]
+    variants += [("gluon, warp-specialised", gluon_tf32x3._tf32x3_ws_kernel, bk, stages, {}) for bk, stages in ((32, 4), (16, 8))]
     for name, fn, bk, stages, extra in variants:
         sig = dict(signature, x_desc=gluon_descriptor([g["BM"], bk]), hi_desc=gluon_descriptor([g["BN"], bk]),
                    lo_desc=gluon_descriptor([g["BN"], bk]), **{key: "constexpr" for key in extra})  # fmt: skip

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench
 
-from ase_tcfp32.kernels import fp16x3, gluon_gemm
+from ase_tcfp32.kernels import fp16x3, gluon_tf32x3
 from ase_tcfp32.kernels.triton_gemm import TritonBackend
 from ase_tcfp32.precision import ieee_fp32_matmul
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for gemm.py
@@ -69,7 +69,7 @@ def main() -> None:
         row["triton_ms"] = do_bench(lambda: triton_backend.forward(x, prepared, b), return_mode="median")
         line = f"{m}x{k}x{n}: cuBLAS {row['cublas_fp32_ms']:.3f} ms, cuBLAS tf32 {row['cublas_fp32_ms'] / row['cublas_tf32_ms']:.2f}x, fp16 {row['cublas_fp32_ms'] / row['cublas_fp16_ms']:.2f}x, triton {row['cublas_fp32_ms'] / row['triton_ms']:.2f}x"
         words = fp16x3.split_weight(w)
-        variants = [(name, config, gluon_gemm.launch, prepared.forward) for name, config in VARIANTS.items()]
+        variants = [(name, config, gluon_tf32x3.launch, prepared.forward) for name, config in VARIANTS.items()]
         variants += [(name, config, fp16x3.launch, words) for name, config in FP16X3_VARIANTS.items()]
         for name, config, launch, weight in variants:
             try:

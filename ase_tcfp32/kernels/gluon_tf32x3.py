@@ -1,4 +1,7 @@
-"""TF32x3 GEMM for Hopper written in Gluon (Triton's explicit-layout dialect): experimental.
+"""TF32x3 GEMM for Hopper written in Gluon (Triton's explicit-layout dialect): EXPERIMENTAL.
+
+No precision runs this kernel (tf32x3 runs the Triton kernel, fp16x3 its own Gluon kernel);
+only ``benchmarks/experiments/gluon_variants.py`` and the GPU tests use it.
 
 Same arithmetic as :mod:`ase_tcfp32.kernels.triton_gemm` (per K-tile: hi*B_hi in a fresh
 tensor-core accumulator joining the FP32 sum with one IEEE addition; lo*B_hi and hi_c*B_lo
@@ -14,8 +17,7 @@ variant at 4 stages 1.55-1.88x cuBLAS FP32 on the 17,280-atom PET-S shapes, the 
 kernel 1.44-1.80x in the same runs (about 3% apart on average, at the same error), so the
 Triton kernel stays the tf32x3 default. Compiled offline, ptxas serialises this kernel's
 wgmma (a full wait after each one) like the Triton kernel's (``docs/kernel_notes.md``).
-:func:`descriptor`, :func:`tile_offsets`, :func:`ring`, :func:`load_stage` and
-:func:`tma_ready` also serve the fp16x3 kernel (:mod:`ase_tcfp32.kernels.fp16x3`).
+Its building blocks shared with the fp16x3 kernel are in :mod:`.gluon_common`.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .context import on_device
+from .gluon_common import copy_stage, descriptor, load_stage, ring, tile_offsets, tma_ready
 from .triton_gemm import Gemm, TritonBackend, _split_tf32, tile_config
 
 
@@ -52,19 +54,6 @@ def _k_tile(x_s, hi_s, lo_s, acc, small, hic_prev, a_layout: gl.constexpr):
 
 
 @gluon.jit
-def tile_offsets(M, N, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, pid=None):
-    """(row, column) of output tile ``pid`` (default: this program's); grouped order:
-    GROUP_M row-tiles in a row share the W tiles in L2."""
-    if pid is None:
-        pid = gl.program_id(0)
-    tiles_m = gl.cdiv(M, BM)
-    per_group = GROUP_M * gl.cdiv(N, BN)
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = min(tiles_m - first_m, GROUP_M)
-    return (first_m + (pid % per_group) % group_rows) * BM, ((pid % per_group) // group_rows) * BN
-
-
-@gluon.jit
 def _epilogue(acc, bias_ptr, N, off_m, off_n, y_desc, HAS_BIAS: gl.constexpr):
     """``acc (+ bias)`` to the output tile through shared memory and a TMA store."""
     if HAS_BIAS:
@@ -75,16 +64,6 @@ def _epilogue(acc, bias_ptr, N, off_m, off_n, y_desc, HAS_BIAS: gl.constexpr):
     fence_async_shared()
     tma.async_copy_shared_to_global(y_desc, [off_m, off_n], ys)
     tma.store_wait(pendings=0)
-
-
-@gluon.jit
-def copy_stage(x_desc, hi_desc, lo_desc, x_s, hi_s, lo_s, bar, off_m, off_n, k):
-    """TMA loads of the x tile at (off_m, k) and of both weight-word tiles at (off_n, k)
-    into one stage, landing on the barrier ``bar``."""
-    mbarrier.expect(bar, x_desc.block_type.nbytes + 2 * hi_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(x_desc, [off_m, k], bar, x_s)
-    tma.async_copy_global_to_shared(hi_desc, [off_n, k], bar, hi_s)
-    tma.async_copy_global_to_shared(lo_desc, [off_n, k], bar, lo_s)
 
 
 @gluon.jit
@@ -126,34 +105,6 @@ def _tf32x3_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
     _epilogue(acc + small, bias_ptr, N, off_m, off_n, y_desc, HAS_BIAS)
-
-
-@gluon.jit
-def ring(x_desc, hi_desc, lo_desc, STAGES: gl.constexpr):
-    """The shared-memory ring of the warp-specialised kernels: ``STAGES`` tiles of x and of
-    the weight's two words, with a "ready" (loads landed) and an "empty" (consumers done)
-    barrier per stage."""
-    BM: gl.constexpr = x_desc.block_type.shape[0]
-    BK: gl.constexpr = x_desc.block_type.shape[1]
-    BN: gl.constexpr = hi_desc.block_type.shape[0]
-    xs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
-    his = gl.allocate_shared_memory(hi_desc.dtype, [STAGES, BN, BK], hi_desc.layout)
-    los = gl.allocate_shared_memory(lo_desc.dtype, [STAGES, BN, BK], lo_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    return xs, his, los, ready, empty
-
-
-@gluon.jit
-def load_stage(x_desc, hi_desc, lo_desc, xs, his, los, ready, empty, it, off_m, off_n, k, STAGES: gl.constexpr):
-    """The ring's ``it``-th fill: once the consumers freed its stage, :func:`copy_stage`
-    into it, landing on its "ready" barrier."""
-    s = it % STAGES
-    mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
-    copy_stage(x_desc, hi_desc, lo_desc, xs.index(s), his.index(s), los.index(s), ready.index(s), off_m, off_n, k)
 
 
 @gluon.jit
@@ -209,24 +160,6 @@ def _tf32x3_ws_kernel(
 CONFIG = dict(BM=128, BN=128, BK=32, STAGES=4, GROUP_M=8, num_warps=8, WS=True)
 """Tile shape, pipeline depth (4 stages: 192 KiB of shared memory), warp specialisation:
 the fastest measured variant (1.6-1.9x cuBLAS FP32; the Triton kernel: 1.4-1.8x)."""
-
-_GL_DTYPES = {torch.float32: gl.float32, torch.float16: gl.float16}
-
-
-def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
-
-def tma_ready(x: torch.Tensor, kp: int) -> torch.Tensor:
-    """``x`` [M, K] as TMA needs it: 16-byte aligned rows, K zero-padded to ``kp`` (the
-    weight words' padded K) when K is not a multiple of 4 (zeros add nothing)."""
-    k = x.shape[1]
-    if k % 4:
-        return torch.nn.functional.pad(x, (0, kp - k))
-    if x.stride(1) != 1 or (x.stride(0) * 4) % 16 or x.data_ptr() % 16:
-        return x.contiguous()
-    return x
 
 
 def launch(x: torch.Tensor, gemm: Gemm, bias: torch.Tensor | None = None, config: dict = CONFIG) -> torch.Tensor:
