@@ -80,7 +80,7 @@ def _ipi_driver(args) -> None:
         options["device"] = args.device
     command = [sys.executable, script, "-m", "custom", "-P", ipi.__file__, "-a", args.address,
                "-o", ",".join(f"{k}={v}" for k, v in options.items())]  # fmt: skip
-    command += ["-u"] if args.unix else ["-p", str(args.port)]
+    command += ["-u", "-S", args.sockets_prefix] if args.unix else ["-p", str(args.port)]
     command += ["-v"] if args.verbose else []
     os.execv(sys.executable, command)
 
@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     driver.add_argument("--address", required=True, help="unix socket name or host name of the i-PI server")
     driver.add_argument("--unix", action="store_true", help="a unix socket (/tmp/ipi_ADDRESS) instead of TCP")
     driver.add_argument("--port", type=int, default=12345, help="TCP port (without --unix)")
+    driver.add_argument("--sockets-prefix", default="/tmp/ipi_", help="where i-PI puts unix sockets (its sockets_prefix)")
     driver.add_argument("--template", required=True, help="a file ASE reads with the simulation's atoms, in i-PI's order")
     driver.add_argument("--model", required=True, help="uPET name or checkpoint path")
     driver.add_argument("--precision", default="auto", choices=("auto",) + PRECISIONS)

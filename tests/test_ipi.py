@@ -164,3 +164,18 @@ def test_bad_input_stops_the_driver_with_a_clear_error(run_folder, processes, op
     process = driver(processes, run_folder, "driver", **options)
     assert wait(process, run_folder, 120) != 0
     assert message in (run_folder / "driver.log").read_text()
+
+
+def test_the_command_line_driver_serves_a_run(run_folder, processes):
+    """'ase-tcfp32 ipi-driver' is the same driver with friendlier flags: it serves a short
+    run, and a template it cannot read stops it with a clear error."""
+    ipi = server(processes, run_folder, steps=2)
+    command = [str(BIN / "ase-tcfp32"), "ipi-driver", "--unix", "--address", "pet", "--sockets-prefix", f"{run_folder}/",
+               "--template", str(run_folder / "water.xyz"), "--model", MODEL, "--precision", "fp32", "--device", "cpu"]  # fmt: skip
+    driver_process = processes.start(command, run_folder, "cli-driver")
+    assert wait(ipi, run_folder, 240, [driver_process]) == 0
+    assert len(np.loadtxt(run_folder / "sim.out", ndmin=2)) == 3
+    broken = processes.start(command[:-8] + ["--template", str(run_folder / "missing.xyz"), "--model", MODEL,
+                                             "--precision", "fp32", "--device", "cpu"], run_folder, "cli-broken")  # fmt: skip
+    assert wait(broken, run_folder, 120) != 0
+    assert "could not read template=" in (run_folder / "cli-broken.log").read_text()
