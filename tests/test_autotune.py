@@ -144,3 +144,30 @@ def test_an_interrupted_tuning_leaves_a_cache_the_next_process_uses(tuning_cache
     assert tuning_cache.read_text() == before  # whole, and without the unfinished entry
     assert tuner("b", 0.0, tuning_cache).wait(timeout=120) == 0
     assert set(json.loads(tuning_cache.read_text())) == {"a", "b"}
+
+
+def test_a_tuned_entry_is_keyed_by_gpu_software_and_shape(monkeypatch):
+    """Another GPU model, Triton or package version, kernel or layer shape: another key, so
+    no process ever reuses an entry tuned for something else."""
+    import torch
+
+    import ase_tcfp32
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    h200 = autotune.device_key(torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    h100 = autotune.device_key(torch.device("cuda"))
+    monkeypatch.setattr(ase_tcfp32, "__version__", "0.2.0")
+    newer = autotune.device_key(torch.device("cuda"))
+    assert len({h200, h100, newer}) == 3 and "triton" in h200
+    keys = set()
+
+    def remember(key, candidates, measure):
+        keys.add(key)
+        return candidates[0]
+
+    monkeypatch.setattr(autotune, "tuned", remember)
+    for kernel, n, k in [("fp16x3", 256, 768), ("fp16x3", 768, 256), ("triton tf32x3", 256, 768)]:
+        autotune.tuned_gemm(kernel, n, k, torch.device("cuda"), CANDIDATES, launcher=None)
+    assert len(keys) == 3
