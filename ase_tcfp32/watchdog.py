@@ -30,6 +30,8 @@ from typing import Iterator
 
 import torch
 
+from .precision import ieee_fp32_matmul
+
 ROWS = 8
 """Rows sampled per check (evenly spaced, shifted by one row at every check)."""
 
@@ -103,7 +105,7 @@ def errors(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: 
     exact, scale = xd @ wd.T, xd.abs() @ wd.abs().T
     if bias is not None:
         exact, scale = exact + bias.double(), scale + bias.double().abs()
-    with _ieee():
+    with ieee_fp32_matmul():
         fp32 = torch.nn.functional.linear(x, weight, bias)
     usable = torch.isfinite(exact) & (scale > 0)
     scale = torch.where(usable, scale, 1.0)
@@ -114,12 +116,6 @@ def errors(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: 
         return error.amax() / _UNIT if error.numel() else error.new_zeros(())
 
     return torch.stack([worst(y), worst(fp32)])
-
-
-def _ieee():
-    from .precision import ieee_fp32_matmul
-
-    return ieee_fp32_matmul()
 
 
 def watch(layer, direction: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> None:
