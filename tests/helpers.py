@@ -4,6 +4,18 @@ import numpy as np
 import torch
 
 
+def beads_of(atoms, count: int, seed: int = 0) -> list:
+    """``count`` copies of ``atoms``, each displaced differently by 0.05 Å (like the beads
+    of a path integral)."""
+    rng = np.random.default_rng(seed)
+    copies = []
+    for _ in range(count):
+        copy = atoms.copy()
+        copy.positions += rng.normal(scale=0.05, size=copy.positions.shape)
+        copies.append(copy)
+    return copies
+
+
 def fp32_in_order(x, w):
     """``x [M, K] @ w [N, K]^T`` in IEEE FP32 with every product and every addition
     rounded, summed in the order k = 0, 1, ..., K-1: the textbook FP32 dot product, the

@@ -616,13 +616,9 @@ def test_a_batch_of_32_copies_gives_what_32_single_calls_give(water192):
     """32 beads of the 192-atom box in one call (6,144 atoms: our kernels, not cuBLAS), in
     the default precision: per structure the energies, forces and stresses of single calls."""
     from ase_tcfp32.models import random_checkpoint
+    from helpers import beads_of
 
-    rng = np.random.default_rng(0)
-    beads = []
-    for _ in range(32):
-        bead = water192.copy()
-        bead.positions += rng.normal(scale=0.05, size=bead.positions.shape)
-        beads.append(bead)
+    beads = beads_of(water192, 32)
     model = random_checkpoint("xs", seed=3)
     batched = TCPETCalculator(model, device="cuda").evaluate(beads)
     alone = TCPETCalculator(model, device="cuda")

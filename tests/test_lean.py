@@ -10,6 +10,7 @@ from ase.units import fs
 from ase_tcfp32 import TCPETCalculator
 from ase_tcfp32.lean import MARGIN, LeanPET
 from ase_tcfp32.models import load_pet
+from helpers import beads_of
 
 
 def _agree(atoms, model, *, skin=2.0, precision="fp32", stress=True):
@@ -153,22 +154,11 @@ def test_lean_handles_atoms_without_neighbours():
         assert np.abs(ours.get_forces() - ref.get_forces()).max() < 1e-5
 
 
-def _beads(atoms, count, seed=0):
-    """``count`` copies of ``atoms``, each displaced differently (like path-integral beads)."""
-    rng = np.random.default_rng(seed)
-    copies = []
-    for _ in range(count):
-        copy = atoms.copy()
-        copy.positions += rng.normal(scale=0.05, size=copy.positions.shape)
-        copies.append(copy)
-    return copies
-
-
 @pytest.mark.parametrize("engine", ["lean", "metatomic"])
 def test_a_batch_gives_what_single_calls_give(tiny_ckpt, water, engine):
     """32 beads in one call: per structure the energies, forces and stresses of 32 single
     calls, to FP32 rounding (the batch sums in another order)."""
-    beads = _beads(water, 32)
+    beads = beads_of(water, 32)
     calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine=engine)
     batched = calc.evaluate(beads)
     assert len(batched) == 32
