@@ -23,13 +23,14 @@ from ase.data import chemical_symbols
 from ase.stress import full_3x3_to_voigt_6_stress
 
 from . import watchdog
+from .attention import swap_attention_blocks
 from .compilation import compile_backend
 from .layers import EMULATED, swap_linear_layers
 from .lean import LeanPET
 from .models import import_dependencies, load_pet, recompute_gnn_layers
 from .progress import enabled as show_progress
 from .progress import shown
-from .precision import check_name, ieee_fp32_matmul, resolve_precision, support
+from .precision import FP32_ACCURATE, check_name, ieee_fp32_matmul, resolve_precision, support
 from .tcmodel import tensor_core
 
 
@@ -203,6 +204,9 @@ class TCPETCalculator(Calculator):
         if self.precision != "fp32" and dtype != torch.float32:
             raise ValueError(f"precision {self.precision!r} needs a float32 model, this one is {dtype}")
         swap_linear_layers(self.pet, self.precision, emulate=emulate, check_accuracy=self.check_accuracy)
+        tensor_core_attention = self.precision in FP32_ACCURATE and self.device.type == "cuda"
+        swap_attention_blocks(self.pet, tensor_core_attention)
+        self.attention = "tensor cores, TF32x3 (ase_tcfp32.attention)" if tensor_core_attention else "torch SDPA"
         self.low_memory = low_memory
         if low_memory:
             recompute_gnn_layers(self.pet)
@@ -251,7 +255,7 @@ class TCPETCalculator(Calculator):
 
     def _repr_html_(self) -> str:
         rows = {"model": self.model_name, "precision": self.precision, "backend": self.backend,
-                "device": str(self.device), "engine": f"{self.engine_used} ({self.engine_reason})",
+                "device": str(self.device), "attention": self.attention, "engine": f"{self.engine_used} ({self.engine_reason})",
                 "elements": len(self.atomic_types), "cutoff": f"{self.cutoff} Å"}  # fmt: skip
         cells = "".join(f"<tr><th style='text-align:left'>{k}</th><td>{v}</td></tr>" for k, v in rows.items())
         return f"<b>TCPETCalculator</b><table>{cells}</table>"

@@ -31,6 +31,9 @@ import torch
 PRECISIONS = ("fp32", "tf32", "tf32x3", "fp16x3", "bf16x9")
 """Every precision a user can force; ``"auto"`` picks one of them."""
 
+FP32_ACCURATE = ("tf32x3", "fp16x3", "bf16x9")
+"""The precisions that emulate FP32 (their attention also runs on tensor cores)."""
+
 BLACKWELL_BF16X9 = ((10, 0), (10, 3))
 """Compute capabilities on which cuBLAS implements FP32 emulation with BF16x9."""
 

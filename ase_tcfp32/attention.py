@@ -1,0 +1,149 @@
+"""PET's attention on tensor cores, FP32-accurate: :func:`tc_attention` and the block swap.
+
+metatrain's ``AttentionBlock`` projects its input to queries, keys and values, reshapes
+them per head, and calls torch's FP32 ``scaled_dot_product_attention`` with the log of
+the cutoff weights as an additive mask. :func:`swap_attention_blocks` turns every such
+block of a model into a ``TCAttentionBlock`` (the same module, parameters and state_dict
+keys; only its class changes) whose forward sends the projection's output straight to
+the kernels of :mod:`ase_tcfp32.kernels.attention`, forward and backward (forces and
+stress differentiate through it), eagerly through an autograd Function and inside
+``torch.compile`` as the custom op ``ase_tcfp32::attention``.
+
+The swap is for the FP32-accurate precisions on CUDA GPUs of compute capability 8.0 and
+newer; ``fp32`` and ``tf32`` keep torch's SDPA. A block falls back to metatrain's own
+forward for training's double backward (``use_manual_attention``), on CPU tensors, and,
+with a :class:`UserWarning` saying why, for sequences longer than the kernels take.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .kernels import attention as kernels
+
+
+@torch.library.custom_op("ase_tcfp32::attention", mutates_args=())
+def _attention_op(qkv: torch.Tensor, mask: torch.Tensor, heads: int, scale: float) -> torch.Tensor:
+    """:func:`ase_tcfp32.kernels.attention.forward`, opaque to ``torch.compile``."""
+    return kernels.forward(qkv, mask, heads, scale)
+
+
+@torch.library.custom_op("ase_tcfp32::attention_backward", mutates_args=())
+def _attention_backward_op(grad_out: torch.Tensor, qkv: torch.Tensor, mask: torch.Tensor, heads: int,
+                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`ase_tcfp32.kernels.attention.backward`, opaque to ``torch.compile``."""
+    return kernels.backward(grad_out, qkv, mask, heads, scale)
+
+
+@_attention_op.register_fake
+def _(qkv, mask, heads, scale):
+    return qkv.new_empty(qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3)
+
+
+@_attention_backward_op.register_fake
+def _(grad_out, qkv, mask, heads, scale):
+    return torch.empty_like(qkv), torch.empty_like(mask)
+
+
+def _setup_context(ctx, inputs, output):
+    qkv, mask, ctx.heads, ctx.scale = inputs
+    ctx.save_for_backward(qkv, mask)
+
+
+def _backward(ctx, grad_out):
+    qkv, mask = ctx.saved_tensors
+    return (*_attention_backward_op(grad_out, qkv, mask, ctx.heads, ctx.scale), None, None)
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _AttentionFunction(torch.autograd.Function):
+    """The eager twin of the custom op (no custom-op dispatch on every call)."""
+
+    @staticmethod
+    def forward(ctx, qkv, mask, heads, scale):
+        ctx.heads, ctx.scale = heads, scale
+        ctx.save_for_backward(qkv, mask)
+        return kernels.forward(qkv, mask, heads, scale)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        qkv, mask = ctx.saved_tensors
+        return (*kernels.backward(grad_out, qkv, mask, ctx.heads, ctx.scale), None, None)
+
+
+def tc_attention(qkv: torch.Tensor, mask: torch.Tensor, heads: int, scale: float) -> torch.Tensor:
+    """Multi-head attention as PET computes it, FP32-accurate on tensor cores.
+
+    ``qkv`` [B, T, 3*H*D]: per token, the queries, keys and values of the ``heads`` heads
+    side by side (PET's input projection); ``mask`` [B, T, T]: additive, shared by the
+    heads (-inf drops a key). Returns ``softmax(scale * q k^T + mask) v`` as [B, T, H*D]
+    (heads side by side: what PET's output projection reads), differentiable with
+    respect to ``qkv`` and ``mask``. float32 CUDA tensors (or CPU tensors under Triton's
+    interpreter), T <= :data:`ase_tcfp32.kernels.attention.MAX_TOKENS`.
+    """
+    if qkv.dtype != torch.float32 or mask.dtype != torch.float32:
+        raise TypeError(f"tc_attention needs float32 tensors, got {qkv.dtype} and {mask.dtype}")
+    qkv, mask = qkv.contiguous(), mask.contiguous()
+    if torch.compiler.is_compiling():
+        return _attention_op(qkv, mask, heads, scale)
+    return _AttentionFunction.apply(qkv, mask, heads, scale)
+
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+"""Triton's interpreter runs the kernels on CPU tensors (the CPU tests)."""
+
+
+def _forward(self, x: torch.Tensor, cutoff_factors: torch.Tensor, use_manual_attention: bool) -> torch.Tensor:
+    """``AttentionBlock.forward`` through :func:`tc_attention` (see the module docstring)."""
+    atoms, tokens, _ = x.shape
+    if use_manual_attention or not (x.is_cuda or _INTERPRETED) or x.dtype != torch.float32:
+        return super(type(self), self).forward(x, cutoff_factors, use_manual_attention)
+    reason = kernels.unsupported_reason(tokens, self.head_dim)
+    if reason is not None:
+        if not self._warned_fallback:
+            warnings.warn(f"PET attention runs in torch's FP32 SDPA: {reason}", stacklevel=2)
+            self._warned_fallback = True
+        return super(type(self), self).forward(x, cutoff_factors, use_manual_attention)
+    qkv = self.input_linear(x)
+    mask = torch.log(torch.clamp(cutoff_factors, self.epsilon))
+    out = tc_attention(qkv, mask, self.num_heads, 1.0 / (self.head_dim**0.5 * self.temperature))
+    return self.output_linear(out)
+
+
+@functools.cache
+def _classes() -> tuple[type, type]:
+    """metatrain's ``AttentionBlock`` and our subclass (made on first use: importing
+    metatrain takes seconds, and ``import ase_tcfp32`` must not)."""
+    from metatrain.pet.modules.transformer import AttentionBlock
+
+    block = type("TCAttentionBlock", (AttentionBlock,), {
+        "__module__": __name__, "_warned_fallback": False, "forward": _forward,
+        "__doc__": "metatrain's AttentionBlock with its attention in :func:`tc_attention`."})  # fmt: skip
+    return AttentionBlock, block
+
+
+def __getattr__(name: str):
+    if name == "TCAttentionBlock":  # found by name: pickling a swapped model works
+        return _classes()[1]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def swap_attention_blocks(module: torch.nn.Module, enable: bool = True) -> list[str]:
+    """Run the attention of every metatrain ``AttentionBlock`` in ``module`` through
+    :func:`tc_attention` (``enable=False``: back to torch's SDPA); return their names.
+    Idempotent; parameters and state_dict keys are unchanged."""
+    plain, ours = _classes()
+    changed = []
+    for name, child in module.named_modules():
+        if isinstance(child, plain) and type(child) in (plain, ours):
+            child.__class__ = ours if enable else plain
+            changed.append(name)
+    return changed

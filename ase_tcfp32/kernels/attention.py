@@ -1,0 +1,198 @@
+"""FP32-accurate attention on tensor cores for PET's short sequences (Triton).
+
+PET's transformer attends, for each of B atoms, over T = J + 1 tokens (the atom and its J
+neighbour slots: ~25-50) in H heads of width D (PET-S 8 x 32, PET-M 8 x 48), with an
+additive mask [B, T, T] shared by the heads (the log of the cutoff weights). Torch's FP32
+``scaled_dot_product_attention`` runs CUTLASS's sm80 memory-efficient kernel on 64 x 64
+tiles, one (atom, head) per tile.
+
+Here one program takes a block of ``BLOCK`` consecutive rows of the token matrix that
+holds ``PACK = BLOCK // T`` whole sequences (atoms ``b0 .. b0 + PACK - 1``: rows
+``b*T .. b*T + T - 1``), and loops over the H heads. A block's scores are one
+``BLOCK x BLOCK`` product whose off-diagonal blocks (a key of another atom) are masked
+to -inf, so packing costs products on the tensor cores, not memory traffic. The softmax
+of a row is complete in registers (T <= BLOCK): no running maximum, and the backward
+recomputes the probabilities instead of saving them. It needs neither the output nor
+the log-sum-exp: ``rowsum(dO * O) = rowsum(P * dP)``.
+
+Every product is TF32x3 on tensor cores (``hi*hi`` in its own accumulator, ``lo*hi +
+hi*lo`` in a second, as in :mod:`.triton_gemm`); ``P @ V`` splits V into three TF32
+words that sum to V exactly, so that a row whose probabilities are one-hot (a mask of
+-inf but for one key) returns that key's value exactly. TF32 words rather than fp16x3:
+they have FP32's range (no per-row scaling of probabilities down to 1e-15), and the
+kernel is bound by memory and latency, not by the tensor cores' rate (measured:
+``benchmarks/attention.py``). The softmax and every sum are FP32 on CUDA cores.
+
+Layouts, as PET's projections read and write them (no transposed copies):
+``qkv`` [B*T, 3*H*D] (query, key, value of head h at columns ``h*D``, ``C + h*D``,
+``2C + h*D`` with C = H*D), ``out`` [B*T, C], ``mask`` [B, T, T].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .context import on_device
+from .triton_gemm import _split_tf32
+
+MAX_TOKENS = 128
+"""Longest sequence (T) the kernels take; longer ones stay with torch's SDPA."""
+
+
+@triton.jit
+def _dot3(a, b):
+    """``a @ b`` in TF32x3 (FP32 accuracy): ``hi*hi + (lo*hi + hi*lo)``."""
+    a_hi, a_lo, a_c = _split_tf32(a)
+    b_hi, b_lo, b_c = _split_tf32(b)
+    small = tl.dot(a_lo, b_c, input_precision="tf32")
+    small = tl.dot(a_c, b_lo, small, input_precision="tf32")
+    return tl.dot(a_hi, b_hi, input_precision="tf32") + small
+
+
+@triton.jit
+def _dot3_exact_b(a, b):
+    """``a @ b`` with ``b`` in three TF32 words (``b_hi + b_mid + b_lo == b``): a one-hot
+    row of ``a`` picks a row of ``b`` exactly."""
+    a_hi, a_lo, a_c = _split_tf32(a)
+    b_hi, b_rest, b_c = _split_tf32(b)
+    b_mid, b_lo, _ = _split_tf32(b_rest)
+    small = tl.dot(a_c, b_lo, input_precision="tf32")
+    small = tl.dot(a_lo, b_c, small, input_precision="tf32")
+    small = tl.dot(a_c, b_mid, small, input_precision="tf32")
+    return tl.dot(a_hi, b_hi, input_precision="tf32") + small
+
+
+@triton.jit
+def _block(pid, B, T, BLOCK: tl.constexpr):
+    """The rows of block ``pid``: token-matrix row, whether it is real, its sequence."""
+    pack = BLOCK // T
+    r = tl.arange(0, BLOCK)
+    seq = r // T
+    atom = pid.to(tl.int64) * pack + seq
+    real = (seq < pack) & (atom < B)
+    row = atom * T + (r - seq * T)
+    return row, real, seq, atom
+
+
+@triton.jit
+def _scores_bias(mask_ptr, T, row, real, seq, atom, BLOCK: tl.constexpr):
+    """The additive mask of the block [BLOCK, BLOCK]: the atom's mask on its diagonal
+    block, -inf elsewhere, 0 on padding rows (finite: they are never stored)."""
+    tok = row - atom * T
+    same = (seq[:, None] == seq[None, :]) & real[:, None] & real[None, :]
+    offsets = atom[:, None] * T * T + tok[:, None] * T + tok[None, :]
+    bias = tl.load(mask_ptr + offsets, mask=same, other=float("-inf"))
+    return tl.where(real[:, None], bias, 0.0), offsets, same
+
+
+@triton.jit
+def _probabilities(q, k, bias, scale):
+    """softmax(scale * q k^T + bias) by rows, [BLOCK, BLOCK]."""
+    s = _dot3(q, tl.trans(k)) * scale + bias
+    p = tl.exp(s - tl.max(s, 1)[:, None])
+    return p / tl.sum(p, 1)[:, None]
+
+
+@triton.jit(do_not_specialize=["B", "T"])
+def _attention_forward(qkv_ptr, mask_ptr, out_ptr, B, T, scale,
+                       H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
+                       STAGES: tl.constexpr):  # fmt: skip
+    row, real, seq, atom = _block(tl.program_id(0), B, T, BLOCK)
+    bias, _, _ = _scores_bias(mask_ptr, T, row, real, seq, atom, BLOCK)
+    d = tl.arange(0, DP)
+    io = real[:, None] & (d < D)[None, :]
+    C: tl.constexpr = H * D
+    inputs = qkv_ptr + row[:, None] * (3 * C) + d[None, :]
+    outputs = out_ptr + row[:, None] * C + d[None, :]
+    for h in tl.range(0, H, num_stages=STAGES):
+        q = tl.load(inputs + h * D, mask=io, other=0.0)
+        k = tl.load(inputs + (C + h * D), mask=io, other=0.0)
+        v = tl.load(inputs + (2 * C + h * D), mask=io, other=0.0)
+        p = _probabilities(q, k, bias, scale)
+        tl.store(outputs + h * D, _dot3_exact_b(p, v), mask=io)
+
+
+@triton.jit(do_not_specialize=["B", "T"])
+def _attention_backward(qkv_ptr, mask_ptr, grad_out_ptr, grad_qkv_ptr, grad_mask_ptr, B, T, scale,
+                        H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
+                        STAGES: tl.constexpr):  # fmt: skip
+    row, real, seq, atom = _block(tl.program_id(0), B, T, BLOCK)
+    bias, offsets, same = _scores_bias(mask_ptr, T, row, real, seq, atom, BLOCK)
+    d = tl.arange(0, DP)
+    io = real[:, None] & (d < D)[None, :]
+    C: tl.constexpr = H * D
+    inputs = qkv_ptr + row[:, None] * (3 * C) + d[None, :]
+    grads = grad_qkv_ptr + row[:, None] * (3 * C) + d[None, :]
+    grad_outputs = grad_out_ptr + row[:, None] * C + d[None, :]
+    grad_bias = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)  # summed over the heads
+    for h in tl.range(0, H, num_stages=STAGES):
+        q = tl.load(inputs + h * D, mask=io, other=0.0)
+        k = tl.load(inputs + (C + h * D), mask=io, other=0.0)
+        v = tl.load(inputs + (2 * C + h * D), mask=io, other=0.0)
+        do = tl.load(grad_outputs + h * D, mask=io, other=0.0)
+        p = _probabilities(q, k, bias, scale)
+        tl.store(grads + (2 * C + h * D), _dot3(tl.trans(p), do), mask=io)  # dV = P^T dO
+        dp = _dot3(do, tl.trans(v))
+        ds = p * (dp - tl.sum(p * dp, 1)[:, None])  # the gradient of the masked scores
+        grad_bias += ds
+        ds = ds * scale
+        tl.store(grads + h * D, _dot3(ds, k), mask=io)  # dQ
+        tl.store(grads + (C + h * D), _dot3(tl.trans(ds), q), mask=io)  # dK
+    tl.store(grad_mask_ptr + offsets, grad_bias, mask=same)
+
+
+def unsupported_reason(tokens: int, head_dim: int) -> str | None:
+    """Why the kernels cannot take sequences of ``tokens`` with heads of ``head_dim``, or None."""
+    if tokens > MAX_TOKENS:
+        return f"its sequences have {tokens} tokens, more than the kernel's {MAX_TOKENS}"
+    if head_dim > 128:
+        return f"its heads are {head_dim} wide, more than the kernel's 128"
+    return None
+
+
+def config(tokens: int) -> dict:
+    """Block size and launch parameters for sequences of ``tokens``."""
+    block = 64 if tokens <= 64 else 128
+    return dict(BLOCK=block, num_warps=4 if block == 64 else 8, STAGES=2)
+
+
+def _launch_shape(qkv: torch.Tensor, mask: torch.Tensor, heads: int):
+    atoms, tokens, width = qkv.shape
+    if width % (3 * heads) or mask.shape != (atoms, tokens, tokens):
+        raise ValueError(f"qkv [B, T, 3*H*D] and mask [B, T, T] expected, got {tuple(qkv.shape)} and {tuple(mask.shape)}")
+    head_dim = width // (3 * heads)
+    reason = unsupported_reason(tokens, head_dim)
+    if reason is not None:
+        raise ValueError(f"attention kernel: {reason}")
+    return atoms, tokens, head_dim
+
+
+def forward(qkv: torch.Tensor, mask: torch.Tensor, heads: int, scale: float, launch: dict | None = None) -> torch.Tensor:
+    """``softmax(scale * q k^T + mask) v`` per atom and head: ``qkv`` [B, T, 3*H*D] and
+    ``mask`` [B, T, T] float32, contiguous; returns [B, T, H*D] (heads side by side)."""
+    atoms, tokens, head_dim = _launch_shape(qkv, mask, heads)
+    out = qkv.new_empty(atoms, tokens, heads * head_dim)
+    c = launch or config(tokens)
+    grid = (triton.cdiv(atoms, c["BLOCK"] // tokens),)
+    if atoms:
+        with on_device(qkv.device):
+            _attention_forward[grid](qkv, mask, out, atoms, tokens, scale, H=heads, D=head_dim,
+                                     DP=max(16, triton.next_power_of_2(head_dim)), **c)  # fmt: skip
+    return out
+
+
+def backward(grad_out: torch.Tensor, qkv: torch.Tensor, mask: torch.Tensor, heads: int, scale: float,
+             launch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Gradients of :func:`forward` with respect to ``qkv`` [B, T, 3*H*D] and ``mask``
+    [B, T, T] (summed over the heads), for the output gradient ``grad_out`` [B, T, H*D]."""
+    atoms, tokens, head_dim = _launch_shape(qkv, mask, heads)
+    grad_qkv, grad_mask = torch.empty_like(qkv), torch.empty_like(mask)
+    c = launch or config(tokens)
+    grid = (triton.cdiv(atoms, c["BLOCK"] // tokens),)
+    if atoms:
+        with on_device(qkv.device):
+            _attention_backward[grid](qkv, mask, grad_out.contiguous(), grad_qkv, grad_mask, atoms, tokens, scale,
+                                      H=heads, D=head_dim, DP=max(16, triton.next_power_of_2(head_dim)), **c)  # fmt: skip
+    return grad_qkv, grad_mask
