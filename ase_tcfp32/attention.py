@@ -18,13 +18,13 @@ with a :class:`UserWarning` saying why, for sequences longer than the kernels ta
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from .kernels import attention as kernels
+from .kernels.context import INTERPRETED
 
 
 @torch.library.custom_op("ase_tcfp32::attention", mutates_args=())
@@ -97,14 +97,10 @@ def tc_attention(qkv: torch.Tensor, mask: torch.Tensor, heads: int, scale: float
     return _AttentionFunction.apply(qkv, mask, heads, scale)
 
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-"""Triton's interpreter runs the kernels on CPU tensors (the CPU tests)."""
-
-
 def _forward(self, x: torch.Tensor, cutoff_factors: torch.Tensor, use_manual_attention: bool) -> torch.Tensor:
     """``AttentionBlock.forward`` through :func:`tc_attention` (see the module docstring)."""
     atoms, tokens, _ = x.shape
-    if use_manual_attention or not (x.is_cuda or _INTERPRETED) or x.dtype != torch.float32:
+    if use_manual_attention or not (x.is_cuda or INTERPRETED) or x.dtype != torch.float32:
         return super(type(self), self).forward(x, cutoff_factors, use_manual_attention)
     reason = kernels.unsupported_reason(tokens, self.head_dim)
     if reason is not None:

@@ -23,6 +23,7 @@ metatomic path to FP32 rounding (``tests/test_lean.py``).
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from typing import NamedTuple
@@ -33,6 +34,7 @@ from ase import Atoms
 
 from . import progress, watchdog
 from .compilation import compiled
+from .kernels.context import INTERPRETED
 
 _FAR = 1.0e6
 """Distance given to the padding pairs: past every cutoff, so they weigh exactly zero."""
@@ -55,7 +57,7 @@ class Pairs(NamedTuple):
     shifts: torch.Tensor  # [E, 3] cell shifts (integers, in the model's dtype on its device)
     reverse: torch.Tensor  # [E] int64 index of the pair j -> i with the opposite shift
     valid: torch.Tensor  # [E] bool, False for the padding
-    first: torch.Tensor  # [N] int64 index of each atom's first pair
+    first: torch.Tensor  # [N + 1] int64: atom a's pairs are first[a] .. first[a + 1] - 1
     count: int  # real pairs
 
 
@@ -130,7 +132,7 @@ def build_pairs(positions: torch.Tensor, cells: torch.Tensor, pbcs: np.ndarray, 
         shifts=torch.cat([shifts, shifts.new_zeros(pad, 3)]),
         reverse=torch.cat([reverse, torch.arange(count, capacity, device=device)]),
         valid=torch.arange(capacity, device=device) < count,
-        first=torch.cumsum(per_atom, 0) - per_atom,
+        first=torch.cat([per_atom.new_zeros(1), torch.cumsum(per_atom, 0)]),
         count=count,
     )
 
@@ -203,6 +205,11 @@ class LeanPET:
         self._far = torch.tensor([_FAR, 0.0, 0.0], device=device, dtype=self.dtype)  # here: no host copy in a graph
         solver = self.backend.adaptive_cutoff_method.lower() == "solver"
         self._adaptive_cutoffs = adaptive_cutoff.get_adaptive_cutoffs_solver if solver else adaptive_cutoff.get_adaptive_cutoffs_grid
+        self._solver_kernel = None  # the solver's iterations in one kernel of ours: on CUDA, in FP32
+        if solver and self.dtype == torch.float32 and (device.type == "cuda" or INTERPRETED):
+            from .kernels.cutoffs import adaptive_cutoffs
+
+            self._solver_kernel = functools.partial(adaptive_cutoffs, bump=utilities.cutoff_func_bump)
         bump = self.backend.cutoff_function.lower() == "bump"
         self._cutoff_function = utilities.cutoff_func_bump if bump else utilities.cutoff_func_cosine
         if compile:
@@ -287,8 +294,12 @@ class LeanPET:
         distances = torch.norm(vectors, dim=-1) + 1e-15
 
         if backend.num_neighbors_adaptive is not None:
-            atomic = self._adaptive_cutoffs(pairs.centers, distances, backend.num_neighbors_adaptive, n, backend.cutoff,
-                           cutoff_width=self.pet.cutoff_width_adaptive)  # fmt: skip
+            if self._solver_kernel is not None:
+                atomic = self._solver_kernel(pairs.centers, distances, pairs.first, backend.num_neighbors_adaptive,
+                                             backend.cutoff, self.pet.cutoff_width_adaptive)  # fmt: skip
+            else:
+                atomic = self._adaptive_cutoffs(pairs.centers, distances, backend.num_neighbors_adaptive, n,
+                                                backend.cutoff, cutoff_width=self.pet.cutoff_width_adaptive)  # fmt: skip
             pair_cutoffs = (atomic.index_select(0, pairs.centers) + atomic.index_select(0, pairs.neighbors)) / 2.0
         else:
             pair_cutoffs = torch.full_like(distances, backend.cutoff)

@@ -217,9 +217,9 @@ def test_gemms_too_small_for_the_gpu_use_cublas_fp32(triton_backends):
 
 @pytest.mark.parametrize("engine", ["metatomic", "lean"])
 def test_systems_past_the_sdpa_grid_limit(engine):
-    """66,000 atoms: PET's attention backward runs in chunks of 65,535 atoms (metatrain
-    splits the batch and warns); energies and forces stay FP32-accurate through our layers,
-    in both engines (the lean one: its plain-tensor step goes through the chunked path)."""
+    """66,000 atoms: in FP32, PET's SDPA backward runs in chunks of 65,535 atoms (metatrain
+    splits the batch and warns); our attention has no such limit. Energies and forces of
+    tf32x3 agree with FP32 in both engines."""
     import warnings
 
     from ase_tcfp32.validation import water_box
@@ -231,8 +231,11 @@ def test_systems_past_the_sdpa_grid_limit(engine):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             results[precision] = atoms.get_potential_energy(), atoms.get_forces()
-        if engine == "lean":
-            assert any("CUDA grid dimension" in str(w.message) for w in caught)
+        chunked = any("CUDA grid dimension" in str(w.message) for w in caught)
+        if precision == "tf32x3":
+            assert not chunked
+        elif engine == "lean":
+            assert chunked
         torch.cuda.empty_cache()
     (e32, f32), (e3, f3) = results["fp32"], results["tf32x3"]
     assert np.isfinite(f3).all() and len(f3) == 66_000
@@ -645,3 +648,86 @@ def test_out_of_memory_says_what_fits_and_the_calculator_recovers():
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
     assert np.isfinite(calc.evaluate([water_box(64, seed=0)])[0]["forces"]).all()
+
+
+def _attention_inputs(atoms: int, tokens: int, head_dim: int, seed: int = 0):
+    """PET-like attention inputs: qkv [B, T, 3*8*D], the log of per-key cutoff weights
+    repeated over the rows (padding keys at PET's clamp, 1e-15) and the scale."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    qkv = torch.randn(atoms, tokens, 3 * 8 * head_dim, device="cuda", generator=g)
+    weights = torch.rand(atoms, tokens, device="cuda", generator=g) ** 2
+    weights[:, 0], weights[:, -3:] = 1.0, 0.0
+    mask = torch.log(torch.clamp(weights[:, None, :].repeat(1, tokens, 1), 1e-15))
+    return qkv, mask, head_dim**-0.5
+
+
+def _attention_fp64(qkv, mask, scale):
+    x = qkv.reshape(*qkv.shape[:2], 3, 8, -1).permute(2, 0, 3, 1, 4)
+    p = torch.softmax(x[0] @ x[1].transpose(-1, -2) * scale + mask[:, None], -1)
+    return (p @ x[2]).transpose(1, 2).reshape(*qkv.shape[:2], -1)
+
+
+def _per_head_errors(y, exact):
+    """Normwise relative error of each (atom, head) output."""
+    split = lambda t: t.reshape(*t.shape[:2], 8, -1).transpose(1, 2).flatten(2)  # noqa: E731
+    return (split(y.double()) - split(exact)).norm(dim=-1) / split(exact).norm(dim=-1)
+
+
+@pytest.mark.parametrize("tokens,head_dim", [(40, 32), (52, 48), (17, 16), (100, 32)])
+def test_tensor_core_attention_is_as_accurate_as_torch_fp32_sdpa(tokens, head_dim):
+    """Per (atom, head), forward and gradients: error vs FP64 at most torch FP32 SDPA's
+    (what metatrain calls; 3xTF32 on sm80 kernels) plus 2 units of 2^-24."""
+    from ase_tcfp32.attention import tc_attention
+
+    qkv, mask, scale = _attention_inputs(1000, tokens, head_dim)
+    grad = torch.randn(*qkv.shape[:2], qkv.shape[2] // 3, device="cuda")
+    results = {}
+    for name in ("ours", "sdpa"):
+        q, m = qkv.clone().requires_grad_(), mask.clone().requires_grad_()
+        if name == "ours":
+            y = tc_attention(q, m, 8, scale)
+        else:
+            x = q.reshape(*q.shape[:2], 3, 8, -1).permute(2, 0, 3, 1, 4)
+            y = torch.nn.functional.scaled_dot_product_attention(x[0], x[1], x[2], attn_mask=m[:, None], scale=scale)
+            y = y.transpose(1, 2).reshape(*q.shape[:2], -1)
+        y.backward(grad)
+        results[name] = y.detach(), q.grad, m.grad
+    q64, m64 = qkv.double().requires_grad_(), mask.double().requires_grad_()
+    exact = _attention_fp64(q64, m64, scale)
+    exact.backward(grad.double())
+    (y, dq, dm), (y_sdpa, dq_sdpa, dm_sdpa) = results["ours"], results["sdpa"]
+    ulp = 2.0**-24
+    assert _per_head_errors(y, exact).max() <= _per_head_errors(y_sdpa, exact).max() + 2 * ulp
+    assert rel_error(dq, q64.grad) <= rel_error(dq_sdpa, q64.grad) + 2 * ulp
+    assert rel_error(dm, m64.grad) <= rel_error(dm_sdpa, m64.grad) + 2 * ulp
+
+
+def test_tensor_core_attention_one_allowed_key_gives_its_value_exactly():
+    """A row whose mask is -inf but for one key returns that key's value bit for bit."""
+    from ase_tcfp32.attention import tc_attention
+
+    qkv, mask, scale = _attention_inputs(300, 41, 32, seed=3)
+    keys = torch.randint(0, 41, (300, 41), device="cuda")
+    mask = torch.full_like(mask, float("-inf")).scatter_(2, keys[..., None], 0.5)
+    y = tc_attention(qkv, mask, 8, scale)
+    values = qkv[..., 2 * 256 :].gather(1, keys[..., None].expand(-1, -1, 256))
+    assert torch.equal(y, values)
+
+
+def test_tensor_core_attention_in_pet_matches_sdpa_in_every_engine(tiny_ckpt, water192):
+    """tf32x3 with our attention (the default for FP32-accurate precisions) against the
+    same precision with torch's SDPA: energies, forces and stress to FP32 rounding, eager,
+    compiled and in CUDA graphs."""
+    from ase_tcfp32.attention import swap_attention_blocks
+
+    reference = water192.copy()
+    reference.calc = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", engine="metatomic")
+    assert swap_attention_blocks(reference.calc.pet, False)
+    e0, f0, s0 = reference.get_potential_energy(), reference.get_forces(), reference.get_stress()
+    for engine, compile in [("metatomic", False), ("lean", False), ("graphs", False), ("lean", True)]:
+        atoms = water192.copy()
+        atoms.calc = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", engine=engine, compile=compile)
+        assert atoms.calc.attention.startswith("tensor cores")
+        assert abs(atoms.get_potential_energy() - e0) / len(atoms) < 2e-6, (engine, compile)
+        assert np.abs(atoms.get_forces() - f0).max() < 3e-5, (engine, compile)
+        assert np.abs(atoms.get_stress() - s0).max() < 1e-6, (engine, compile)

@@ -47,3 +47,99 @@ def test_tf32_kernels_in_the_triton_interpreter():
     result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "interpreter kernels ok" in result.stdout
+
+
+ATTENTION_SCRIPT = textwrap.dedent(
+    """
+    import numpy as np
+    import torch
+    from ase_tcfp32.attention import swap_attention_blocks, tc_attention
+    from ase_tcfp32.lean import LeanPET
+    from ase_tcfp32.models import load_pet
+    from ase_tcfp32.validation import water_box
+
+    g = torch.Generator().manual_seed(0)
+    u = 2.0**-24
+    # sequences packed 3, 2 and 1 per block, a block with one sequence of 100 tokens, heads of 16 to 48
+    for atoms, tokens, heads, dim in [(7, 41, 8, 32), (5, 13, 2, 48), (3, 100, 2, 16), (4, 64, 1, 32)]:
+        qkv = torch.randn(atoms, tokens, 3 * heads * dim, generator=g)
+        mask = torch.log(torch.rand(atoms, tokens, tokens, generator=g).clamp_min(1e-15))
+        mask[0, 1, :] = float("-inf")
+        mask[0, 1, 3] = 0.7  # one allowed key: its value, exactly
+        grad = torch.randn(atoms, tokens, heads * dim, generator=g)
+        q, m = qkv.clone().requires_grad_(), mask.clone().requires_grad_()
+        y = tc_attention(q, m, heads, dim**-0.5)
+        y.backward(grad)
+        q64, m64 = qkv.double().requires_grad_(), mask.double().requires_grad_()
+        x = q64.reshape(atoms, tokens, 3, heads, dim).permute(2, 0, 3, 1, 4)
+        p = torch.softmax(x[0] @ x[1].transpose(-1, -2) * dim**-0.5 + m64[:, None], -1)
+        exact = (p @ x[2]).transpose(1, 2).reshape(atoms, tokens, heads * dim)
+        exact.backward(grad.double())
+        assert torch.equal(y[0, 1], qkv[0, 3, 2 * heads * dim :])
+        # FP32 sums of <= 2T terms of size <= max|v| (|p| <= 1), twice over (scores, then p @ v)
+        bound = 8 * tokens * u * x[2].abs().max().item()
+        assert (y.double() - exact).abs().max() <= bound, (atoms, tokens)
+        rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()
+        assert rel(q.grad, q64.grad) < 64 * tokens * u and rel(m.grad, m64.grad) < 64 * tokens * u, (atoms, tokens)
+
+    # PET (the bundled demo model) with the kernels against torch's SDPA: same energy, forces, stress
+    pet = load_pet("pet-demo-chgnet", "latest")
+    atoms = water_box(8)
+    atoms.rattle(0.05, seed=1)
+    lean = LeanPET(pet, torch.device("cpu"), 2.0, 0, None)
+    before = lean.compute([atoms], stress=True)[0]
+    assert len(swap_attention_blocks(pet)) == 4
+    after = lean.compute([atoms], stress=True)[0]
+    assert abs(after["energy"] - before["energy"]) < 16 * len(atoms) * u * abs(before["energy"])
+    assert np.abs(after["forces"] - before["forces"]).max() < 1e-5 * np.abs(before["forces"]).max()
+    assert np.abs(after["stress"] - before["stress"]).max() < 1e-5 * np.abs(before["stress"]).max()
+    print("interpreter attention ok")
+    """
+)
+
+
+def test_attention_kernels_in_the_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-W", "ignore", "-c", ATTENTION_SCRIPT], env=env, capture_output=True,
+                            text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "interpreter attention ok" in result.stdout
+
+
+CUTOFFS_SCRIPT = textwrap.dedent(
+    """
+    import numpy as np
+    import torch
+    from metatrain.pet.modules.adaptive_cutoff import get_adaptive_cutoffs_solver
+    from metatrain.pet.modules.utilities import cutoff_func_bump
+    from ase_tcfp32.kernels.cutoffs import adaptive_cutoffs
+    from ase_tcfp32.lean import build_pairs
+    from ase_tcfp32.validation import water_box
+
+    for molecules, skin, target in [(8, 0.5, 24), (12, 2.0, 16)]:
+        atoms = water_box(molecules, seed=molecules)
+        atoms.rattle(0.1, seed=2)
+        positions, cell = torch.tensor(atoms.positions), torch.tensor(atoms.cell.array)
+        pairs = build_pairs(positions, cell[None], np.array([atoms.pbc]), [len(atoms)], 8.0 + skin, 0)
+        vectors = positions[pairs.neighbors] - positions[pairs.centers] + pairs.shifts.double() @ cell
+        far = torch.tensor(1e6, dtype=torch.float64)  # the padding pairs, as the lean engine places them
+        distances = torch.where(pairs.valid, vectors.norm(dim=1), far).float().requires_grad_()
+        ours = adaptive_cutoffs(pairs.centers, distances, pairs.first, target, 8.0, 1.0, cutoff_func_bump)
+        theirs = get_adaptive_cutoffs_solver(pairs.centers, distances, target, len(atoms), 8.0, 1.0)
+        (grad,) = torch.autograd.grad(ours.sum(), distances)
+        (expected,) = torch.autograd.grad(theirs.sum(), distances)
+        u = 2.0**-24
+        assert (ours - theirs).abs().max() <= 8 * u * 8.0, (ours - theirs).abs().max()
+        assert (grad - expected).abs().max() <= 64 * u * expected.abs().max(), (grad - expected).abs().max()
+    print("interpreter cutoffs ok")
+    """
+)
+
+
+def test_adaptive_cutoff_kernel_in_the_triton_interpreter():
+    """The solver kernel against metatrain's own: cutoffs and their gradients to FP32 rounding."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-W", "ignore", "-c", CUTOFFS_SCRIPT], env=env, capture_output=True,
+                            text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "interpreter cutoffs ok" in result.stdout

@@ -18,9 +18,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import os
 import threading
 
 import torch
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+"""Triton's interpreter runs our kernels on CPU tensors (the CPU tests)."""
 
 _thread = threading.local()
 _SAME = contextlib.nullcontext()
