@@ -23,21 +23,27 @@ import warnings
 import torch
 from torch.autograd.function import once_differentiable
 
-from .kernels import attention as kernels
 from .kernels.context import INTERPRETED
+
+
+def _kernels():
+    """:mod:`ase_tcfp32.kernels.attention`, imported on first use (Triton takes a while)."""
+    from .kernels import attention
+
+    return attention
 
 
 @torch.library.custom_op("ase_tcfp32::attention", mutates_args=())
 def _attention_op(qkv: torch.Tensor, mask: torch.Tensor, heads: int, scale: float) -> torch.Tensor:
     """:func:`ase_tcfp32.kernels.attention.forward`, opaque to ``torch.compile``."""
-    return kernels.forward(qkv, mask, heads, scale)
+    return _kernels().forward(qkv, mask, heads, scale)
 
 
 @torch.library.custom_op("ase_tcfp32::attention_backward", mutates_args=())
 def _attention_backward_op(grad_out: torch.Tensor, qkv: torch.Tensor, mask: torch.Tensor, heads: int,
                            scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """:func:`ase_tcfp32.kernels.attention.backward`, opaque to ``torch.compile``."""
-    return kernels.backward(grad_out, qkv, mask, heads, scale)
+    return _kernels().backward(grad_out, qkv, mask, heads, scale)
 
 
 @_attention_op.register_fake
@@ -70,13 +76,13 @@ class _AttentionFunction(torch.autograd.Function):
     def forward(ctx, qkv, mask, heads, scale):
         ctx.heads, ctx.scale = heads, scale
         ctx.save_for_backward(qkv, mask)
-        return kernels.forward(qkv, mask, heads, scale)
+        return _kernels().forward(qkv, mask, heads, scale)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
         qkv, mask = ctx.saved_tensors
-        return (*kernels.backward(grad_out, qkv, mask, ctx.heads, ctx.scale), None, None)
+        return (*_kernels().backward(grad_out, qkv, mask, ctx.heads, ctx.scale), None, None)
 
 
 def tc_attention(qkv: torch.Tensor, mask: torch.Tensor, heads: int, scale: float) -> torch.Tensor:
@@ -87,7 +93,8 @@ def tc_attention(qkv: torch.Tensor, mask: torch.Tensor, heads: int, scale: float
     heads (-inf drops a key). Returns ``softmax(scale * q k^T + mask) v`` as [B, T, H*D]
     (heads side by side: what PET's output projection reads), differentiable with
     respect to ``qkv`` and ``mask``. float32 CUDA tensors (or CPU tensors under Triton's
-    interpreter), T <= :data:`ase_tcfp32.kernels.attention.MAX_TOKENS`.
+    interpreter); T at most :func:`ase_tcfp32.kernels.attention.max_tokens` (128 for
+    heads of up to 32, 64 for heads of up to 64).
     """
     if qkv.dtype != torch.float32 or mask.dtype != torch.float32:
         raise TypeError(f"tc_attention needs float32 tensors, got {qkv.dtype} and {mask.dtype}")
@@ -102,10 +109,12 @@ def _forward(self, x: torch.Tensor, cutoff_factors: torch.Tensor, use_manual_att
     atoms, tokens, _ = x.shape
     if use_manual_attention or not (x.is_cuda or INTERPRETED) or x.dtype != torch.float32:
         return super(type(self), self).forward(x, cutoff_factors, use_manual_attention)
-    reason = kernels.unsupported_reason(tokens, self.head_dim)
-    if reason is not None:
+    if tokens > self._max_tokens:
         if not self._warned_fallback:
-            warnings.warn(f"PET attention runs in torch's FP32 SDPA: {reason}", stacklevel=2)
+            why = (f"heads of {self.head_dim} are wider than the kernels' 64" if self._max_tokens == 0 else
+                   f"the kernels take at most {self._max_tokens} tokens with heads of {self.head_dim}, "
+                   f"these sequences have {tokens}")  # fmt: skip
+            warnings.warn(f"PET attention runs in torch's FP32 SDPA here: {why}", stacklevel=2)
             self._warned_fallback = True
         return super(type(self), self).forward(x, cutoff_factors, use_manual_attention)
     qkv = self.input_linear(x)
@@ -141,5 +150,7 @@ def swap_attention_blocks(module: torch.nn.Module, enable: bool = True) -> list[
     for name, child in module.named_modules():
         if isinstance(child, plain) and type(child) in (plain, ours):
             child.__class__ = ours if enable else plain
+            if enable:
+                child._max_tokens = _kernels().max_tokens(child.head_dim)
             changed.append(name)
     return changed

@@ -93,6 +93,18 @@ ATTENTION_SCRIPT = textwrap.dedent(
     assert abs(after["energy"] - before["energy"]) < 16 * len(atoms) * u * abs(before["energy"])
     assert np.abs(after["forces"] - before["forces"]).max() < 1e-5 * np.abs(before["forces"]).max()
     assert np.abs(after["stress"] - before["stress"]).max() < 1e-5 * np.abs(before["stress"]).max()
+
+    # heads too wide for the kernels: metatrain's own attention, with a warning that says why
+    import warnings
+    from metatrain.pet.modules.transformer import AttentionBlock
+    block = AttentionBlock(256, 2, 1.0)
+    x, factors = torch.randn(3, 10, 256, generator=g), torch.rand(3, 10, 10, generator=g)
+    expected = block(x, factors, False)
+    swap_attention_blocks(block)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert torch.equal(block(x, factors, False), expected)
+    assert any("heads of 128 are wider than the kernels' 64" in str(w.message) for w in caught), [str(w.message) for w in caught]
     print("interpreter attention ok")
     """
 )

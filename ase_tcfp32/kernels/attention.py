@@ -37,8 +37,6 @@ import triton.language as tl
 from .context import on_device
 from .triton_gemm import _round_tf32
 
-MAX_TOKENS = 128
-"""Longest sequence (T) the kernels take; longer ones stay with torch's SDPA."""
 
 
 @triton.jit
@@ -151,14 +149,10 @@ def _attention_backward(qkv_ptr, mask_ptr, grad_out_ptr, grad_qkv_ptr, grad_mask
     tl.store(grad_mask_ptr + offsets, grad_bias, mask=same)
 
 
-def unsupported_reason(tokens: int, head_dim: int) -> str | None:
-    """Why the kernels cannot take sequences of ``tokens`` with heads of ``head_dim``, or None."""
-    if head_dim > 64:
-        return f"its heads are {head_dim} wide, more than the kernels' 64"
-    if tokens > MAX_TOKENS or (tokens > 64 and head_dim > 32):
-        longest = MAX_TOKENS if head_dim <= 32 else 64
-        return f"its sequences have {tokens} tokens, more than the kernels' {longest} for heads of {head_dim}"
-    return None
+def max_tokens(head_dim: int) -> int:
+    """The longest sequence the kernels take with heads of ``head_dim`` (0: none). 128-row
+    blocks with heads wider than 32 need more shared memory than an H200 has."""
+    return 128 if head_dim <= 32 else 64 if head_dim <= 64 else 0
 
 
 def config(tokens: int, head_dim: int) -> dict:
@@ -176,9 +170,8 @@ def _launch_shape(qkv: torch.Tensor, mask: torch.Tensor, heads: int):
     if width % (3 * heads) or mask.shape != (atoms, tokens, tokens):
         raise ValueError(f"qkv [B, T, 3*H*D] and mask [B, T, T] expected, got {tuple(qkv.shape)} and {tuple(mask.shape)}")
     head_dim = width // (3 * heads)
-    reason = unsupported_reason(tokens, head_dim)
-    if reason is not None:
-        raise ValueError(f"attention kernel: {reason}")
+    if tokens > max_tokens(head_dim):
+        raise ValueError(f"the attention kernels take at most {max_tokens(head_dim)} tokens with heads of {head_dim}, not {tokens}")
     return atoms, tokens, head_dim
 
 
