@@ -11,7 +11,7 @@ componentwise errors
     e = max |y - y_exact| / (sum_k |x_k| |w_k| + |b|)   in units of u = 2^-24
 
 of the emulated and the FP32 result. When the emulated error exceeds :data:`FACTOR` times
-FP32's (or :data:`FLOOR` u, whichever is larger), a :class:`PrecisionWarning` names the
+FP32's (or :func:`floor` u, whichever is larger), a :class:`PrecisionWarning` names the
 layer, the precision and both errors, once per layer.
 
 Checks run on the layer's device without synchronising; their results are read when the
@@ -39,9 +39,19 @@ FACTOR = 8.0
 """Warn when the emulated error exceeds this multiple of FP32's on the same rows."""
 
 FLOOR = 4.0
-"""... or this many units 2^-24, whichever is larger (FP32's own error on a few rows can
-be exactly zero). On PET's layers, fp16x3 and tf32x3 measured 0.2-0.5x cuBLAS FP32's
-normwise error on the H200, far below this."""
+"""... or this many units 2^-24 (or more for long contractions, see :func:`floor`),
+whichever is larger: FP32's own error on a few rows can be exactly zero."""
+
+
+def floor(depth: int) -> float:
+    """Errors up to this many units 2^-24 never warn, for a contraction of ``depth`` terms:
+    :data:`FLOOR`, or sqrt(depth), the typical error of an FP32 dot product summed term
+    by term (Higham and Mary's probabilistic bound), whichever is larger. On PET's layers
+    fp16x3 and tf32x3 measured 0.2-0.5x cuBLAS FP32's normwise error on the H200, but
+    cuBLAS's blocked sums can make its componentwise error on 8 rows unusually small: a
+    random PET-S-shaped model's 1024-deep layer gave fp16x3 4.2 units against cuBLAS's
+    0.5 (8.3x), which a fixed floor of 4 units reported."""
+    return max(FLOOR, depth**0.5)
 
 ENV = "ASE_TCFP32_CHECK_ACCURACY"
 
@@ -134,7 +144,7 @@ def watch(layer, direction: str, x: torch.Tensor, weight: torch.Tensor, bias: to
     with torch.no_grad():
         found = errors(x.detach()[rows], weight.detach(), None if bias is None else bias.detach(), y.detach()[rows])
     pending = getattr(_state, "pending", None)
-    item = (layer, direction, found)
+    item = (layer, direction, x.shape[1], found)
     if pending is None:
         _judge([item])
     else:
@@ -144,9 +154,9 @@ def watch(layer, direction: str, x: torch.Tensor, weight: torch.Tensor, bias: to
 def _judge(pending: list) -> None:
     if not pending:
         return
-    values = torch.stack([found.cpu() for _, _, found in pending]).tolist()
-    for (layer, direction, _), (emulated, fp32) in zip(pending, values):
-        if emulated > max(FACTOR * fp32, FLOOR) and not layer._warned:
+    values = torch.stack([found.cpu() for *_, found in pending]).tolist()
+    for (layer, direction, depth, _), (emulated, fp32) in zip(pending, values):
+        if emulated > max(FACTOR * fp32, floor(depth)) and not layer._warned:
             layer._warned = True
             warnings.warn(
                 f"layer {layer.name or 'TCLinear'!r} ({layer.in_features} -> {layer.out_features}), "

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ase_tcfp32 import PrecisionWarning, TCPETCalculator, swap_linear_layers
-from ase_tcfp32.watchdog import FACTOR, FLOOR, errors
+from ase_tcfp32.watchdog import FACTOR, errors, floor
 from helpers import fp32_in_order
 
 
@@ -61,9 +61,9 @@ def test_ordinary_inputs_raise_nothing_and_the_check_can_fail(precision):
     assert caught(lambda: model(x).sum().backward()) == []
     # the same check on a result one FP32 rounding step per entry off fails
     y = model[0](x).detach()
-    wrong = y + y.abs() * FACTOR * FLOOR * 2.0**-20
+    wrong = y + y.abs() * FACTOR * floor(200) * 2.0**-18
     emulated, fp32 = errors(x.detach()[:8], model[0].weight, model[0].bias, wrong[:8]).tolist()
-    assert emulated > FACTOR * max(fp32, FLOOR)
+    assert emulated > max(FACTOR * fp32, floor(200))
 
 
 def test_environment_variable_sets_the_interval(monkeypatch):
