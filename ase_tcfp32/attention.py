@@ -24,6 +24,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .kernels.context import INTERPRETED
+from .precision import FP32_ACCURATE
 
 
 def _kernels():
@@ -139,6 +140,12 @@ def __getattr__(name: str):
     if name == "TCAttentionBlock":  # found by name: pickling a swapped model works
         return _classes()[1]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def on_tensor_cores(precision: str, device: torch.device | str) -> bool:
+    """Whether a calculator in ``precision`` on ``device`` runs PET's attention through
+    :func:`tc_attention` (FP32-accurate precisions on CUDA) rather than torch's SDPA."""
+    return precision in FP32_ACCURATE and torch.device(device).type == "cuda"
 
 
 def swap_attention_blocks(module: torch.nn.Module, enable: bool = True) -> list[str]:

@@ -23,14 +23,14 @@ from ase.data import chemical_symbols
 from ase.stress import full_3x3_to_voigt_6_stress
 
 from . import watchdog
-from .attention import swap_attention_blocks
+from .attention import on_tensor_cores, swap_attention_blocks
 from .compilation import compile_backend
 from .layers import EMULATED, swap_linear_layers
 from .lean import LeanPET
 from .models import import_dependencies, load_pet, recompute_gnn_layers
 from .progress import enabled as show_progress
 from .progress import shown
-from .precision import FP32_ACCURATE, check_name, ieee_fp32_matmul, resolve_precision, support
+from .precision import check_name, ieee_fp32_matmul, resolve_precision, support
 from .tcmodel import tensor_core
 
 
@@ -204,7 +204,7 @@ class TCPETCalculator(Calculator):
         if self.precision != "fp32" and dtype != torch.float32:
             raise ValueError(f"precision {self.precision!r} needs a float32 model, this one is {dtype}")
         swap_linear_layers(self.pet, self.precision, emulate=emulate, check_accuracy=self.check_accuracy)
-        tensor_core_attention = self.precision in FP32_ACCURATE and self.device.type == "cuda"
+        tensor_core_attention = emulate is None and on_tensor_cores(self.precision, self.device)
         swap_attention_blocks(self.pet, tensor_core_attention)
         self.attention = "tensor cores, TF32x3 (ase_tcfp32.attention)" if tensor_core_attention else "torch SDPA"
         self.low_memory = low_memory

@@ -90,9 +90,10 @@ def _info(args) -> None:
 
     import torch
 
+    from .attention import on_tensor_cores
     from .calculator import choose_engine_for
     from .models import cached_checkpoints, known_models
-    from .precision import auto_precision, available_precisions
+    from .precision import FP32_ACCURATE, auto_precision, available_precisions
 
     print(f"python {platform.python_version()}, torch {torch.__version__}")
     try:
@@ -120,6 +121,9 @@ def _info(args) -> None:
         print(f"  auto -> {chosen}: {why}")
         engine, why = choose_engine_for(device)
         print(f"  engine='auto' -> {engine}: {why}")
+        accurate = [p for p in FP32_ACCURATE if on_tensor_cores(p, device)]
+        print(f"  attention: tensor cores (TF32x3) in {', '.join(accurate)}; torch SDPA otherwise" if accurate else
+              "  attention: torch SDPA")  # fmt: skip
     from .kernels import autotune
 
     state = "on" if autotune.enabled() else "off (ASE_TCFP32_AUTOTUNE=0)"

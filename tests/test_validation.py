@@ -133,3 +133,4 @@ def test_info_lists_precisions_and_auto(capsys):
     out = capsys.readouterr().out
     assert "auto -> fp32" in out and "tf32x3" in out and "pet-mad-s" in out
     assert "GEMM tuning: on" in out and "autotune.json" in out
+    assert "attention: torch SDPA" in out  # the CPU's (tensor-core attention is for CUDA)
