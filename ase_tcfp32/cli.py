@@ -93,7 +93,7 @@ def _info(args) -> None:
     from .attention import on_tensor_cores
     from .calculator import choose_engine_for
     from .models import cached_checkpoints, known_models
-    from .precision import FP32_ACCURATE, auto_precision, available_precisions
+    from .precision import auto_precision, available_precisions
 
     print(f"python {platform.python_version()}, torch {torch.__version__}")
     try:
@@ -114,14 +114,15 @@ def _info(args) -> None:
             cc = torch.cuda.get_device_capability(device)
             extra = f", compute capability {cc[0]}.{cc[1]}"
         print(f"\n{device}: {name}{extra}")
-        for row in available_precisions(device):
+        rows = available_precisions(device)
+        for row in rows:
             mark = "yes" if row.available else "no "
             print(f"  {row.precision:7} {mark}  {row.backend:14} {row.note}")
         chosen, why = auto_precision(device)
         print(f"  auto -> {chosen}: {why}")
         engine, why = choose_engine_for(device)
         print(f"  engine='auto' -> {engine}: {why}")
-        accurate = [p for p in FP32_ACCURATE if on_tensor_cores(p, device)]
+        accurate = [r.precision for r in rows if r.available and on_tensor_cores(r.precision, device)]
         print(f"  attention: tensor cores (TF32x3) in {', '.join(accurate)}; torch SDPA otherwise" if accurate else
               "  attention: torch SDPA")  # fmt: skip
     from .kernels import autotune
