@@ -42,11 +42,17 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_tf32_kernels_in_the_triton_interpreter():
+def interpret(script: str, done: str) -> None:
+    """Run ``script`` in a fresh process under Triton's interpreter; it must print ``done``."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, "-W", "ignore", "-c", script], env=env, capture_output=True, text=True,
+                            timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "interpreter kernels ok" in result.stdout
+    assert done in result.stdout
+
+
+def test_tf32_kernels_in_the_triton_interpreter():
+    interpret(SCRIPT, "interpreter kernels ok")
 
 
 ATTENTION_SCRIPT = textwrap.dedent(
@@ -55,7 +61,7 @@ ATTENTION_SCRIPT = textwrap.dedent(
     import torch
     from ase_tcfp32.attention import swap_attention_blocks, tc_attention
     from ase_tcfp32.lean import LeanPET
-    from ase_tcfp32.models import load_pet
+    from ase_tcfp32.models import load_pet, recompute_gnn_layers
     from ase_tcfp32.validation import water_box
 
     g = torch.Generator().manual_seed(0)
@@ -93,6 +99,9 @@ ATTENTION_SCRIPT = textwrap.dedent(
     assert abs(after["energy"] - before["energy"]) < 16 * len(atoms) * u * abs(before["energy"])
     assert np.abs(after["forces"] - before["forces"]).max() < 1e-5 * np.abs(before["forces"]).max()
     assert np.abs(after["stress"] - before["stress"]).max() < 1e-5 * np.abs(before["stress"]).max()
+    recompute_gnn_layers(pet)  # low_memory=True: the layers run their forward again in the backward
+    recomputed = lean.compute([atoms], stress=True)[0]
+    assert np.array_equal(recomputed["forces"], after["forces"])
 
     # heads too wide for the kernels: metatrain's own attention, with a warning that says why
     import warnings
@@ -111,11 +120,7 @@ ATTENTION_SCRIPT = textwrap.dedent(
 
 
 def test_attention_kernels_in_the_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-W", "ignore", "-c", ATTENTION_SCRIPT], env=env, capture_output=True,
-                            text=True, timeout=600)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "interpreter attention ok" in result.stdout
+    interpret(ATTENTION_SCRIPT, "interpreter attention ok")
 
 
 CUTOFFS_SCRIPT = textwrap.dedent(
@@ -150,8 +155,4 @@ CUTOFFS_SCRIPT = textwrap.dedent(
 
 def test_adaptive_cutoff_kernel_in_the_triton_interpreter():
     """The solver kernel against metatrain's own: cutoffs and their gradients to FP32 rounding."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-W", "ignore", "-c", CUTOFFS_SCRIPT], env=env, capture_output=True,
-                            text=True, timeout=600)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "interpreter cutoffs ok" in result.stdout
+    interpret(CUTOFFS_SCRIPT, "interpreter cutoffs ok")

@@ -94,6 +94,16 @@ def _scores_bias(mask_ptr, T, row, real, seq, atom, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _program_block(mask_ptr, B, T, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's block: token rows [BLOCK], the scores' bias [BLOCK, BLOCK] (with the
+    mask's offsets and where it applies), head columns [DP] and the real [BLOCK, DP] entries."""
+    row, real, seq, atom = _block(tl.program_id(0), B, T, BLOCK)
+    bias, offsets, same = _scores_bias(mask_ptr, T, row, real, seq, atom, BLOCK)
+    d = tl.arange(0, DP)
+    return row, bias, offsets, same, d, real[:, None] & (d < D)[None, :]
+
+
+@triton.jit
 def _probabilities(q, k, bias, scale):
     """softmax(scale * q k^T + bias) by rows, [BLOCK, BLOCK]."""
     s = _dot3(q, tl.trans(k)) * scale + bias
@@ -105,10 +115,7 @@ def _probabilities(q, k, bias, scale):
 def _attention_forward(qkv_ptr, mask_ptr, out_ptr, B, T, scale,
                        H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
                        STAGES: tl.constexpr):  # fmt: skip
-    row, real, seq, atom = _block(tl.program_id(0), B, T, BLOCK)
-    bias, _, _ = _scores_bias(mask_ptr, T, row, real, seq, atom, BLOCK)
-    d = tl.arange(0, DP)
-    io = real[:, None] & (d < D)[None, :]
+    row, bias, _, _, d, io = _program_block(mask_ptr, B, T, D, DP, BLOCK)
     C: tl.constexpr = H * D
     inputs = qkv_ptr + row[:, None] * (3 * C) + d[None, :]
     outputs = out_ptr + row[:, None] * C + d[None, :]
@@ -124,10 +131,7 @@ def _attention_forward(qkv_ptr, mask_ptr, out_ptr, B, T, scale,
 def _attention_backward(qkv_ptr, mask_ptr, grad_out_ptr, grad_qkv_ptr, grad_mask_ptr, B, T, scale,
                         H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
                         STAGES: tl.constexpr):  # fmt: skip
-    row, real, seq, atom = _block(tl.program_id(0), B, T, BLOCK)
-    bias, offsets, same = _scores_bias(mask_ptr, T, row, real, seq, atom, BLOCK)
-    d = tl.arange(0, DP)
-    io = real[:, None] & (d < D)[None, :]
+    row, bias, offsets, same, d, io = _program_block(mask_ptr, B, T, D, DP, BLOCK)
     C: tl.constexpr = H * D
     inputs = qkv_ptr + row[:, None] * (3 * C) + d[None, :]
     grads = grad_qkv_ptr + row[:, None] * (3 * C) + d[None, :]

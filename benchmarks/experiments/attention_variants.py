@@ -21,16 +21,13 @@ import triton
 import triton.language as tl
 
 from ase_tcfp32.kernels import attention as fused
-from ase_tcfp32.kernels.attention import _block, _dot3, _probabilities, _scores_bias
+from ase_tcfp32.kernels.attention import _dot3, _probabilities, _program_block
 
 
 @triton.jit(do_not_specialize=["B", "T"])
 def _backward_dq(qkv_ptr, mask_ptr, grad_out_ptr, grad_qkv_ptr, grad_mask_ptr, B, T, scale,
                  H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
-    row, real, seq, atom = _block(tl.program_id(0), B, T, BLOCK)
-    bias, offsets, same = _scores_bias(mask_ptr, T, row, real, seq, atom, BLOCK)
-    d = tl.arange(0, DP)
-    io = real[:, None] & (d < D)[None, :]
+    row, bias, offsets, same, d, io = _program_block(mask_ptr, B, T, D, DP, BLOCK)
     C: tl.constexpr = H * D
     inputs = qkv_ptr + row[:, None] * (3 * C) + d[None, :]
     grads = grad_qkv_ptr + row[:, None] * (3 * C) + d[None, :]
@@ -52,10 +49,7 @@ def _backward_dq(qkv_ptr, mask_ptr, grad_out_ptr, grad_qkv_ptr, grad_mask_ptr, B
 @triton.jit(do_not_specialize=["B", "T"])
 def _backward_dkdv(qkv_ptr, mask_ptr, grad_out_ptr, grad_qkv_ptr, B, T, scale,
                    H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
-    row, real, seq, atom = _block(tl.program_id(0), B, T, BLOCK)
-    bias, _, _ = _scores_bias(mask_ptr, T, row, real, seq, atom, BLOCK)
-    d = tl.arange(0, DP)
-    io = real[:, None] & (d < D)[None, :]
+    row, bias, _, _, d, io = _program_block(mask_ptr, B, T, D, DP, BLOCK)
     C: tl.constexpr = H * D
     inputs = qkv_ptr + row[:, None] * (3 * C) + d[None, :]
     grads = grad_qkv_ptr + row[:, None] * (3 * C) + d[None, :]
