@@ -1,7 +1,7 @@
 """What a user gets without knobs: the default calculator against the best configuration
 and FP32's defaults, per MD step and to the first step, in fresh processes.
 
-    python benchmarks/defaults.py [--systems s:64,s:5760,m:64] [--steps 30] [--out FILE.json]
+    python benchmarks/defaults.py [--systems s:64,s:5760,m:64] [--configs ...] [--steps 30] [--limit 600] [--out FILE.json]
 
 For each system (PET-MAD-shaped model with random weights : water molecules) and each
 configuration, a fresh Python process builds the calculator and runs ASE velocity Verlet
@@ -12,7 +12,9 @@ second process on the same machine). Reported per row: the time from the start o
 process's work (imports excluded) to the first completed MD step, and the median ms per
 step after it. Configurations: ``default`` (``TCPETCalculator(model)``), ``fp32-default``
 (``precision="fp32"``, nothing else), and the candidates for ``best`` (engines, compiled or
-not, in the default precision), of which the fastest steady step is marked ``best``.
+not, in the default precision; the default among them) and for ``best-fp32`` (FP32's
+defaults and compiled FP32 engines): the fastest steady step of each group gets a row of
+its own. A process that runs past ``--limit`` seconds is stopped and its row says so.
 Compiled configurations also report torch's cache counters (FX graph and AOTAutograd cache
 hits, misses and bypasses): what a warm start still recompiles.
 """
@@ -36,8 +38,12 @@ CANDIDATES = {
     "lean+compile": {"engine": "lean", "compile": True},
     "graphs": {"engine": "graphs"},
     "graphs+compile": {"engine": "graphs", "compile": True},
+    "fp32-metatomic+compile": {"precision": "fp32", "engine": "metatomic", "compile": True},
+    "fp32-lean+compile": {"precision": "fp32", "engine": "lean", "compile": True},
+    "fp32-graphs+compile": {"precision": "fp32", "engine": "graphs", "compile": True},
 }
-"""Calculator arguments per configuration name (``best`` is the fastest non-FP32 one)."""
+"""Calculator arguments per configuration name (``best``: the fastest in the default
+precision, ``best-fp32``: the fastest in FP32)."""
 
 
 def child(shape: str, molecules: int, kwargs: dict, steps: int) -> dict:
@@ -78,15 +84,20 @@ def child(shape: str, molecules: int, kwargs: dict, steps: int) -> dict:
     return row
 
 
-def measure(shape: str, molecules: int, name: str, steps: int) -> dict:
-    """``name``'s row: a cold process (empty caches), then a warm one (same caches)."""
+def measure(shape: str, molecules: int, name: str, steps: int, limit: float) -> dict:
+    """``name``'s row: a cold process (empty caches), then a warm one (same caches), each
+    stopped after ``limit`` seconds."""
     row = {"model": f"random-{shape}", "atoms": 3 * molecules, "config": name}
     with tempfile.TemporaryDirectory(prefix="tcfp32-defaults-") as folder:
         env = dict(os.environ, ASE_TCFP32_CACHE=f"{folder}/ase", TORCHINDUCTOR_CACHE_DIR=f"{folder}/inductor",
                    TRITON_CACHE_DIR=f"{folder}/triton", PYTHONUNBUFFERED="1")  # fmt: skip
         for run in ("cold", "warm"):
             args = [sys.executable, __file__, "--child", json.dumps([shape, molecules, CANDIDATES[name], steps])]
-            done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=1800)
+            try:
+                done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=limit)
+            except subprocess.TimeoutExpired:
+                row[f"error_{run}"] = f"stopped after {limit:.0f} s (--limit)"
+                break
             if done.returncode != 0:
                 row[f"error_{run}"] = done.stderr[-1500:]
                 break
@@ -101,6 +112,7 @@ def main() -> None:
     parser.add_argument("--systems", default="s:64,s:5760,m:64", help="shape:water molecules, comma-separated")
     parser.add_argument("--configs", default=",".join(CANDIDATES), help="comma-separated names of CANDIDATES")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--limit", type=float, default=1800, help="seconds a configuration's process may run")
     parser.add_argument("--out", default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -116,7 +128,7 @@ def main() -> None:
         shape, molecules = system.split(":")
         group = []
         for name in args.configs.split(","):
-            row = measure(shape, int(molecules), name, args.steps)
+            row = measure(shape, int(molecules), name, args.steps, args.limit)
             group.append(row)
             if "ms" in row:
                 print(f"{row['model']:>9} {row['atoms']:>6} {name:>18} {row['precision']:>9} {row['engine']:>9} "
@@ -124,13 +136,15 @@ def main() -> None:
                       f"{row.get('first_s_warm', float('nan')):7.1f}", flush=True)  # fmt: skip
             else:
                 print(f"{row['model']:>9} {row['atoms']:>6} {name:>18} failed: {row}", flush=True)
-        timed = [r for r in group if "ms" in r and r["precision"] != "fp32" and r["config"] not in ("default", "fp32-default")]
-        if timed:
-            best = min(timed, key=lambda r: r["ms"])
-            group.append(dict(best, config="best", candidate=best["config"]))
-            default = next((r for r in group if r["config"] == "default" and "ms" in r), None)
-            if default:
-                print(f"  default / best: {default['ms'] / best['ms']:.2f} ({best['config']})")
+        timed = [r for r in group if "ms" in r]
+        default = next((r for r in timed if r["config"] == "default"), None)
+        for label, members in (("best", [r for r in timed if r["precision"] != "fp32"]),
+                               ("best-fp32", [r for r in timed if r["precision"] == "fp32"])):  # fmt: skip
+            if members:
+                best = min(members, key=lambda r: r["ms"])
+                group.append(dict(best, config=label, candidate=best["config"]))
+                if default:
+                    print(f"  {label}: {best['config']} {best['ms']:.1f} ms; default / {label}: {default['ms'] / best['ms']:.2f}")
         rows += group
         if args.out:
             with open(args.out, "w") as f:
