@@ -19,9 +19,11 @@ Every product is TF32x3 on tensor cores (``hi*hi`` in its own accumulator, ``lo*
 hi*lo`` in a second, as in :mod:`.triton_gemm`); ``P @ V`` splits V into three TF32
 words that sum to V exactly, so that a row whose probabilities are one-hot (a mask of
 -inf but for one key) returns that key's value exactly. TF32 words rather than fp16x3:
-they have FP32's range (no per-row scaling of probabilities down to 1e-15), and the
-kernel is bound by memory and latency, not by the tensor cores' rate (measured:
-``benchmarks/attention.py``). The softmax and every sum are FP32 on CUDA cores.
+they have FP32's range (no per-row scaling of logits or of probabilities down to 1e-15),
+and the kernels are bound by registers and latency, not by the tensor cores' rate
+(``docs/kernel_notes.md``, session 12). The softmax and every sum are FP32 on CUDA cores.
+On the H200: 2.2x torch's FP32 SDPA forward + backward at PET-S's shapes
+(``benchmarks/attention.py``).
 
 Layouts, as PET's projections read and write them (no transposed copies):
 ``qkv`` [B*T, 3*H*D] (query, key, value of head h at columns ``h*D``, ``C + h*D``,
