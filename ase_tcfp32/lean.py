@@ -8,8 +8,8 @@ largest neighbour count) is read back to the host. Here instead:
   and are kept until an atom has moved more than ``skin / 2`` (a Verlet list), in a
   buffer of fixed capacity sorted by centre atom;
 - each step, on the device only: edge vectors, PET's adaptive per-atom cutoffs (metatrain's
-  solver; on CUDA its iterations run in one kernel of ours, :mod:`ase_tcfp32.kernels.cutoffs`), and the [atoms, J] neighbour table with J the largest neighbour count plus
-  :data:`MARGIN`, checked after the step and widened when an atom outgrows it (J is the
+  solver; on CUDA its iterations run in one kernel of ours, :mod:`ase_tcfp32.kernels.cutoffs`),
+  and the [atoms, J] neighbour table with J the largest neighbour count plus :data:`MARGIN`, checked after the step and widened when an atom outgrows it (J is the
   length of a tensor, not a Python number, so that ``torch.compile`` does not recompile
   for a new J);
 - energy, forces and the strain derivative (stress) from one backward pass;
