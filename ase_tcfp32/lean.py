@@ -9,9 +9,9 @@ largest neighbour count) is read back to the host. Here instead:
   buffer of fixed capacity sorted by centre atom;
 - each step, on the device only: edge vectors, PET's adaptive per-atom cutoffs (metatrain's
   solver; on CUDA its iterations run in one kernel of ours, :mod:`ase_tcfp32.kernels.cutoffs`),
-  and the [atoms, J] neighbour table with J the largest neighbour count plus :data:`MARGIN`, checked after the step and widened when an atom outgrows it (J is the
-  length of a tensor, not a Python number, so that ``torch.compile`` does not recompile
-  for a new J);
+  and the [atoms, J] neighbour table with J the largest neighbour count plus :data:`MARGIN`,
+  checked after the step and widened when an atom outgrows it (J is the length of a
+  tensor, not a Python number, so that ``torch.compile`` does not recompile for a new J);
 - energy, forces and the strain derivative (stress) from one backward pass;
 - for systems of up to ``graph_atoms`` atoms the step is recorded once per (capacity, J)
   as a CUDA graph and replayed: no kernel launches from Python while atoms move.
