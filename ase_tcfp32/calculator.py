@@ -333,7 +333,8 @@ class TCPETCalculator(Calculator):
         self._evaluations += 1
         if self._evaluations > 1 or not self.progress:
             return contextlib.nullcontext()
-        return shown(f"ase-tcfp32: first evaluation ({atoms} atoms)")
+        otherwise = "compiling GPU kernels on first use" if self.device.type == "cuda" else "evaluating"
+        return shown(f"ase-tcfp32: first evaluation ({atoms} atoms)", otherwise)
 
     def _metatomic_batch(self, structures: list[Atoms], stress: bool) -> list[dict]:
         """:meth:`evaluate` through metatomic-ase (one model call for the batch)."""

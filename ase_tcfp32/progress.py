@@ -39,9 +39,9 @@ def doing(what: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def shown(label: str) -> Iterator[None]:
-    """Show ``label``, the elapsed time and what is being done, from :data:`DELAY` seconds
-    into the block until its end."""
+def shown(label: str, otherwise: str = "compiling GPU kernels on first use") -> Iterator[None]:
+    """Show ``label``, the elapsed time and what is being done (``otherwise`` when no
+    :func:`doing` block names it), from :data:`DELAY` seconds into the block until its end."""
     from tqdm.auto import tqdm
 
     stop = threading.Event()
@@ -51,7 +51,7 @@ def shown(label: str) -> Iterator[None]:
             return
         with tqdm(desc=label, bar_format="{desc} {elapsed}{postfix}", file=sys.stderr, leave=False) as line:
             while not stop.wait(0.25):
-                line.set_postfix_str(_doing[-1] if _doing else "compiling GPU kernels on first use", refresh=True)
+                line.set_postfix_str(_doing[-1] if _doing else otherwise, refresh=True)
 
     thread = threading.Thread(target=watch, name="ase-tcfp32 progress", daemon=True)
     thread.start()
