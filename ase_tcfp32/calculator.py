@@ -14,6 +14,7 @@ import contextlib
 import os
 import sys
 import time
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -313,28 +314,32 @@ class TCPETCalculator(Calculator):
         for atoms in structures:
             self.check_atoms(atoms, ["energy", "forces"])
         stress = any(atoms.pbc.all() for atoms in structures)
-        on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
-        try:
-            with self._first_call(sum(map(len, structures))), on_device, ieee_fp32_matmul(), watchdog.deferred():
-                if self._lean is not None:
-                    results = self._lean.compute(structures, stress)
-                else:
-                    results = self._metatomic_batch(structures, stress)
-        except torch.OutOfMemoryError as error:
-            raise torch.OutOfMemoryError(self._out_of_memory(sum(len(a) for a in structures))) from error
+        with self._evaluating(sum(map(len, structures))):
+            if self._lean is not None:
+                results = self._lean.compute(structures, stress)
+            else:
+                results = self._metatomic_batch(structures, stress)
         for result in results:
             result["free_energy"] = result["energy"]
             if "stress" in result:
                 result["stress"] = full_3x3_to_voigt_6_stress(result["stress"])
         return results
 
-    def _first_call(self, atoms: int) -> contextlib.AbstractContextManager:
-        """The progress line of the calculator's first evaluation (:mod:`ase_tcfp32.progress`)."""
+    @contextlib.contextmanager
+    def _evaluating(self, atoms: int) -> Iterator[None]:
+        """Around every evaluation of ``atoms`` atoms: the model's device current, IEEE FP32
+        matmuls, the watchdog's checks read once at the end, the progress line of the first
+        evaluation (:mod:`ase_tcfp32.progress`), and an out-of-memory error that says what fits."""
         self._evaluations += 1
-        if self._evaluations > 1 or not self.progress:
-            return contextlib.nullcontext()
+        first = self._evaluations == 1 and self.progress
         otherwise = "compiling GPU kernels on first use" if self.device.type == "cuda" else "evaluating"
-        return shown(f"ase-tcfp32: first evaluation ({atoms} atoms)", otherwise)
+        shown_first = shown(f"ase-tcfp32: first evaluation ({atoms} atoms)", otherwise) if first else contextlib.nullcontext()
+        on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        try:
+            with shown_first, on_device, ieee_fp32_matmul(), watchdog.deferred():
+                yield
+        except torch.OutOfMemoryError as error:
+            raise torch.OutOfMemoryError(self._out_of_memory(atoms)) from error
 
     def _metatomic_batch(self, structures: list[Atoms], stress: bool) -> list[dict]:
         """:meth:`evaluate` through metatomic-ase (one model call for the batch)."""
@@ -367,10 +372,7 @@ class TCPETCalculator(Calculator):
             self.results = self.evaluate([self.atoms])[0]
             return
         wanted = ["energy", "forces"] + (["energies"] if "energies" in properties else [])
-        try:
-            with self._first_call(len(self.atoms)), ieee_fp32_matmul(), watchdog.deferred():
-                self._metatomic.calculate(self.atoms, wanted, system_changes)
-        except torch.OutOfMemoryError as error:
-            raise torch.OutOfMemoryError(self._out_of_memory(len(self.atoms))) from error
+        with self._evaluating(len(self.atoms)):
+            self._metatomic.calculate(self.atoms, wanted, system_changes)
         self.results = dict(self._metatomic.results)
         self.results["free_energy"] = self.results["energy"]

@@ -53,6 +53,7 @@ def floor(depth: int) -> float:
     0.5 (8.3x), which a fixed floor of 4 units reported."""
     return max(FLOOR, depth**0.5)
 
+
 ENV = "ASE_TCFP32_CHECK_ACCURACY"
 
 _UNIT = 2.0**-24

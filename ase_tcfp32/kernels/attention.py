@@ -171,27 +171,29 @@ def config(tokens: int, head_dim: int) -> dict:
     return dict(BLOCK=64, num_warps=4, STAGES=2 if head_dim <= 32 else 1)
 
 
-def _launch_shape(qkv: torch.Tensor, mask: torch.Tensor, heads: int):
+def launch_shape(qkv: torch.Tensor, mask: torch.Tensor, heads: int, launch: dict | None = None) -> tuple:
+    """``(atoms, tokens, head_dim, grid, constants)`` of a launch on ``qkv`` [B, T, 3*H*D]
+    and ``mask`` [B, T, T] (checked: a clear error before any launch), ``constants`` being
+    the kernels' compile-time arguments with ``launch`` (default :func:`config`)."""
     atoms, tokens, width = qkv.shape
     if width % (3 * heads) or mask.shape != (atoms, tokens, tokens):
         raise ValueError(f"qkv [B, T, 3*H*D] and mask [B, T, T] expected, got {tuple(qkv.shape)} and {tuple(mask.shape)}")
     head_dim = width // (3 * heads)
     if tokens > max_tokens(head_dim):
         raise ValueError(f"the attention kernels take at most {max_tokens(head_dim)} tokens with heads of {head_dim}, not {tokens}")
-    return atoms, tokens, head_dim
+    c = launch or config(tokens, head_dim)
+    grid = (triton.cdiv(atoms, c["BLOCK"] // tokens),)
+    return atoms, tokens, head_dim, grid, dict(H=heads, D=head_dim, DP=max(16, triton.next_power_of_2(head_dim)), **c)
 
 
 def forward(qkv: torch.Tensor, mask: torch.Tensor, heads: int, scale: float, launch: dict | None = None) -> torch.Tensor:
     """``softmax(scale * q k^T + mask) v`` per atom and head: ``qkv`` [B, T, 3*H*D] and
     ``mask`` [B, T, T] float32, contiguous; returns [B, T, H*D] (heads side by side)."""
-    atoms, tokens, head_dim = _launch_shape(qkv, mask, heads)
+    atoms, tokens, head_dim, grid, constants = launch_shape(qkv, mask, heads, launch)
     out = qkv.new_empty(atoms, tokens, heads * head_dim)
-    c = launch or config(tokens, head_dim)
-    grid = (triton.cdiv(atoms, c["BLOCK"] // tokens),)
     if atoms:
         with on_device(qkv.device):
-            _attention_forward[grid](qkv, mask, out, atoms, tokens, scale, H=heads, D=head_dim,
-                                     DP=max(16, triton.next_power_of_2(head_dim)), **c)  # fmt: skip
+            _attention_forward[grid](qkv, mask, out, atoms, tokens, scale, **constants)
     return out
 
 
@@ -199,12 +201,10 @@ def backward(grad_out: torch.Tensor, qkv: torch.Tensor, mask: torch.Tensor, head
              launch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Gradients of :func:`forward` with respect to ``qkv`` [B, T, 3*H*D] and ``mask``
     [B, T, T] (summed over the heads), for the output gradient ``grad_out`` [B, T, H*D]."""
-    atoms, tokens, head_dim = _launch_shape(qkv, mask, heads)
+    atoms, tokens, _, grid, constants = launch_shape(qkv, mask, heads, launch)
     grad_qkv, grad_mask = torch.empty_like(qkv), torch.empty_like(mask)
-    c = launch or config(tokens, head_dim)
-    grid = (triton.cdiv(atoms, c["BLOCK"] // tokens),)
     if atoms:
         with on_device(qkv.device):
             _attention_backward[grid](qkv, mask, grad_out.contiguous(), grad_qkv, grad_mask, atoms, tokens, scale,
-                                      H=heads, D=head_dim, DP=max(16, triton.next_power_of_2(head_dim)), **c)  # fmt: skip
+                                      **constants)  # fmt: skip
     return grad_qkv, grad_mask

@@ -67,13 +67,10 @@ def _backward_dkdv(qkv_ptr, mask_ptr, grad_out_ptr, grad_qkv_ptr, B, T, scale,
 
 
 def split_backward(grad_out, qkv, mask, heads, scale, launch):
-    atoms, tokens, width = qkv.shape
-    head_dim = width // (3 * heads)
+    atoms, tokens, _, grid, constants = fused.launch_shape(qkv, mask, heads, launch)
     grad_qkv, grad_mask = torch.empty_like(qkv), torch.empty_like(mask)
-    grid = (triton.cdiv(atoms, launch["BLOCK"] // tokens),)
-    shape = dict(H=heads, D=head_dim, DP=max(16, triton.next_power_of_2(head_dim)), **launch)
-    _backward_dq[grid](qkv, mask, grad_out, grad_qkv, grad_mask, atoms, tokens, scale, **shape)
-    _backward_dkdv[grid](qkv, mask, grad_out, grad_qkv, atoms, tokens, scale, **shape)
+    _backward_dq[grid](qkv, mask, grad_out, grad_qkv, grad_mask, atoms, tokens, scale, **constants)
+    _backward_dkdv[grid](qkv, mask, grad_out, grad_qkv, atoms, tokens, scale, **constants)
     return grad_qkv, grad_mask
 
 
