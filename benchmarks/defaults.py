@@ -8,9 +8,11 @@ configuration, a fresh Python process builds the calculator and runs ASE velocit
 (neighbour-list updates included). Each configuration runs twice: first with empty cache
 folders ("cold": ``ASE_TCFP32_CACHE``, ``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``
 all new, as on a fresh machine), then again with the caches the first run left ("warm": a
-second process on the same machine). Reported per row: the time from the start of the
-process's work (imports excluded) to the first completed MD step, and the median ms per
-step after it. Configurations: ``default`` (``TCPETCalculator(model)``), ``fp32-default``
+second process on the same machine). Python's bytecode cache is on in both, as after a
+``pip install`` (``PYTHONDONTWRITEBYTECODE`` is dropped: without ``.pyc`` files, every
+process spends seconds compiling torch's and metatrain's sources). Reported per row: the
+time from the start of the process's work (imports excluded) to the first completed MD
+step, and the median ms per step after it. Configurations: ``default`` (``TCPETCalculator(model)``), ``fp32-default``
 (``precision="fp32"``, nothing else), and the candidates for ``best`` (engines, compiled or
 not, in the default precision; the default among them) and for ``best-fp32`` (FP32's
 defaults and compiled FP32 engines): the fastest steady step of each group gets a row of
@@ -91,6 +93,7 @@ def measure(shape: str, molecules: int, name: str, steps: int, limit: float) -> 
     with tempfile.TemporaryDirectory(prefix="tcfp32-defaults-") as folder:
         env = dict(os.environ, ASE_TCFP32_CACHE=f"{folder}/ase", TORCHINDUCTOR_CACHE_DIR=f"{folder}/inductor",
                    TRITON_CACHE_DIR=f"{folder}/triton", PYTHONUNBUFFERED="1")  # fmt: skip
+        env.pop("PYTHONDONTWRITEBYTECODE", None)  # Python's own .pyc caching, as users have it
         for run in ("cold", "warm"):
             args = [sys.executable, __file__, "--child", json.dumps([shape, molecules, CANDIDATES[name], steps])]
             try:
@@ -122,6 +125,12 @@ def main() -> None:
     from ase_tcfp32.validation.common import environment
 
     rows = []
+
+    def save(group):
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"environment": environment("cuda"), "rows": rows + group}, f, indent=1)
+
     print(f"{'model':>9} {'atoms':>6} {'config':>18} {'precision':>9} {'engine':>9} {'compiled':>8} {'ms':>8} "
           f"{'cold s':>7} {'warm s':>7}")  # fmt: skip
     for system in args.systems.split(","):
@@ -130,6 +139,7 @@ def main() -> None:
         for name in args.configs.split(","):
             row = measure(shape, int(molecules), name, args.steps, args.limit)
             group.append(row)
+            save(group)
             if "ms" in row:
                 print(f"{row['model']:>9} {row['atoms']:>6} {name:>18} {row['precision']:>9} {row['engine']:>9} "
                       f"{str(row['compiled']):>8} {row['ms']:8.1f} {row['first_s_cold']:7.1f} "
@@ -146,9 +156,7 @@ def main() -> None:
                 if default:
                     print(f"  {label}: {best['config']} {best['ms']:.1f} ms; default / {label}: {default['ms'] / best['ms']:.2f}")
         rows += group
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"environment": environment("cuda"), "rows": rows}, f, indent=1)
+        save([])
 
 
 if __name__ == "__main__":

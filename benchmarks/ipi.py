@@ -67,10 +67,14 @@ def run(model: str, structure, *, beads: int, steps: int, warmup: int, batch_siz
             started.append(subprocess.Popen(args, cwd=folder, stdout=open(folder / f"driver{k}.log", "w"),
                                             stderr=subprocess.STDOUT, env={**env, **extra}, start_new_session=True))  # fmt: skip
         stamps, lines, out = [], 0, folder / "sim.out"
+        deadline, drivers_left = start + timeout, started[1:]
         while server.poll() is None:
-            if time.perf_counter() - start > timeout or all(p.poll() is not None for p in started[1:]):
+            if drivers_left and all(p.poll() is not None for p in drivers_left):
+                # at its end i-PI closes the sockets (the drivers exit) before it writes its files and exits
+                deadline, drivers_left = min(deadline, time.perf_counter() + 30), []
+            if time.perf_counter() > deadline:
                 logs = "".join(p.read_text()[-1500:] for p in sorted(folder.glob("*.log")))
-                raise RuntimeError(f"i-PI run did not finish: {logs}")
+                raise RuntimeError(f"i-PI run did not finish within {timeout:.0f} s, or 30 s after its drivers: {logs}")
             if out.exists():
                 count = sum(1 for line in out.read_text().splitlines() if line and not line.startswith("#"))
                 stamps += [time.perf_counter()] * (count - lines)
