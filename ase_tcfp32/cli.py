@@ -6,7 +6,11 @@ import argparse
 import sys
 
 from .calculator import ENGINES
+from .models import BUNDLED
 from .precision import PRECISIONS
+
+DEMO_MODEL = next(iter(BUNDLED))
+"""What ``validate`` checks when no ``--model`` is given: the model bundled with the package."""
 
 
 def _validate(args) -> None:
@@ -18,7 +22,8 @@ def _validate(args) -> None:
         print(f"report: {args.out}/report.md")
         return
     if args.model is None:
-        raise SystemExit(f"validate {args.test} needs --model")
+        args.model = DEMO_MODEL
+        print(f"validating the bundled demo model {DEMO_MODEL} (--model for yours)", flush=True)
     if args.precisions is None:  # every mode this device runs, so that auto's choice is among them
         from .precision import available_precisions
 
@@ -143,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     validate = commands.add_parser("validate", help="fidelity tests of the precision modes")
     validate.add_argument("test", choices=["single-point", "smoothness", "nve", "relax", "speed", "all", "report"],
                           help="a test, all of them, or 'report': report.md from the results already in --out")
-    validate.add_argument("--model", help="uPET name, checkpoint path, or random:<tiny|xs|s|m>")
+    validate.add_argument("--model", help=f"uPET name, checkpoint path, or random:<tiny|xs|s|m> (default: {DEMO_MODEL})")
     validate.add_argument("--precisions", default=None, help="comma-separated (default: every mode the device runs)")
     validate.add_argument("--device", default=None)
     validate.add_argument("--engine", default="auto", choices=ENGINES, help="the calculator's engine (docs/usage.md)")

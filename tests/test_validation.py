@@ -23,9 +23,10 @@ def test_builders():
 
 @pytest.fixture(scope="module")
 def quick_suite(tmp_path_factory):
-    """The quick suite with the default precisions: every mode the CPU runs."""
+    """The quick suite with the default model (the bundled demo) and precisions (every
+    mode the CPU runs)."""
     out = tmp_path_factory.mktemp("validation")
-    main(["validate", "all", "--model", "pet-demo-chgnet", "--quick", "--out", str(out), "--device", "cpu"])
+    main(["validate", "all", "--quick", "--out", str(out), "--device", "cpu"])
     return out
 
 
@@ -41,7 +42,7 @@ def test_every_test_writes_json_plot_and_the_report(quick_suite):
     for name in report.TESTS:
         assert (quick_suite / f"{name}.json").exists() and (quick_suite / f"{name}.png").stat().st_size > 1000
     text = (quick_suite / "report.md").read_text()
-    assert "## smoothness" in text and "![nve](nve.png)" in text
+    assert "## smoothness" in text and "![nve](nve.png)" in text and "pet-demo-chgnet" in text
 
 
 def test_single_point_fp32_accurate_modes_pass_and_tf32_does_not_meet_them(quick_suite):
@@ -94,6 +95,16 @@ def test_relax_trajectories_agree_at_the_start(quick_suite):
     f32 = np.array(runs["fp32"][0]["fmax_trace"][:10])
     for precision in ("tf32x3", "bf16x9"):
         assert np.allclose(runs[precision][0]["fmax_trace"][:10], f32, rtol=1e-4)
+
+
+def test_relax_gives_no_verdict_when_fp32_does_not_converge(tmp_path):
+    from ase_tcfp32.validation.common import resolve_model
+
+    result = report.run("relax", resolve_model("random:tiny"), ["fp32", "tf32x3"], "cpu", tmp_path, quick=True,
+                        max_steps=2)  # fmt: skip
+    rows = rows_by_precision(result["rows"])
+    assert rows["fp32"]["converged"] == "0/1" and rows["tf32x3"]["passed"] is None
+    assert report._verdict(result["rows"]) == "tf32x3 no verdict (FP32 itself did not converge)"
 
 
 def test_speed_reports_every_precision_against_fp32(quick_suite):

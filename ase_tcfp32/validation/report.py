@@ -57,7 +57,8 @@ def from_files(out="validation") -> dict:
 
 
 def _verdict(rows) -> str:
-    verdicts = [f"{r['precision']} {'passed' if r['passed'] else 'FAILED'}" for r in rows if "passed" in r]
+    words = {True: "passed", False: "FAILED", None: "no verdict (FP32 itself did not converge)"}
+    verdicts = [f"{r['precision']} {words[r['passed']]}" for r in rows if "passed" in r]
     return "; ".join(verdicts) or "no pass criterion applies"
 
 
