@@ -100,6 +100,8 @@ ATTENTION_SCRIPT = textwrap.dedent(
     assert abs(after["energy"] - before["energy"]) < 16 * len(atoms) * u * abs(before["energy"])
     assert np.abs(after["forces"] - before["forces"]).max() < 1e-5 * np.abs(before["forces"]).max()
     assert np.abs(after["stress"] - before["stress"]).max() < 1e-5 * np.abs(before["stress"]).max()
+    import sys
+    assert "torch._dynamo" not in sys.modules  # eager: no custom-op call (its first one imports dynamo, 0.5 s)
     recompute_gnn_layers(pet)  # low_memory=True: the layers run their forward again in the backward
     recomputed = lean.compute([atoms], stress=True)[0]
     assert np.array_equal(recomputed["forces"], after["forces"])
@@ -149,11 +151,14 @@ CUTOFFS_SCRIPT = textwrap.dedent(
         u = 2.0**-24
         assert (ours - theirs).abs().max() <= 8 * u * 8.0, (ours - theirs).abs().max()
         assert (grad - expected).abs().max() <= 64 * u * expected.abs().max(), (grad - expected).abs().max()
+    import sys
+    assert "torch._dynamo" not in sys.modules  # eager code calls the kernel, not its custom op (0.5 s import)
     print("interpreter cutoffs ok")
     """
 )
 
 
 def test_adaptive_cutoff_kernel_in_the_triton_interpreter():
-    """The solver kernel against metatrain's own: cutoffs and their gradients to FP32 rounding."""
+    """The solver kernel against metatrain's own: cutoffs and their gradients to FP32 rounding;
+    called eagerly, it does not import ``torch._dynamo``."""
     interpret(CUTOFFS_SCRIPT, "interpreter cutoffs ok")

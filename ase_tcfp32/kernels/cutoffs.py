@@ -77,13 +77,11 @@ def _solver_kernel(distances_ptr, first_ptr, r_ptr, dn_ptr, width, slope, max_cu
     tl.store(dn_ptr + atom, dn + 3.0 * target * (x * x) * inv_max_cutoff)
 
 
-@torch.library.custom_op("ase_tcfp32::adaptive_cutoff_roots", mutates_args=())
 def solve(distances: torch.Tensor, first: torch.Tensor, target: float, max_cutoff: float,
           width: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Each atom's root r [N] of the smooth neighbour count and dn/dr there [N] (no
     gradients), for the float32 pair ``distances`` [E] sorted by centre atom, atom a's
-    pairs being ``first[a] .. first[a+1] - 1`` (``first`` [N + 1] int64). A custom op:
-    ``torch.compile`` calls it without looking in."""
+    pairs being ``first[a] .. first[a+1] - 1`` (``first`` [N + 1] int64)."""
     atoms = first.numel() - 1
     r, dn = (torch.empty(atoms, device=distances.device, dtype=torch.float32) for _ in range(2))
     if atoms:
@@ -93,7 +91,12 @@ def solve(distances: torch.Tensor, first: torch.Tensor, target: float, max_cutof
     return r, dn
 
 
-@solve.register_fake
+_solve_op = torch.library.custom_op("ase_tcfp32::adaptive_cutoff_roots", solve, mutates_args=())
+""":func:`solve` as a custom op, which ``torch.compile`` calls without looking in. Eager code
+calls :func:`solve` itself: an op's first call imports ``torch._dynamo`` (about 0.5 s)."""
+
+
+@_solve_op.register_fake
 def _(distances, first, target, max_cutoff, width):
     atoms = first.shape[0] - 1
     return distances.new_empty(atoms), distances.new_empty(atoms)
@@ -105,7 +108,8 @@ def adaptive_cutoffs(centers: torch.Tensor, distances: torch.Tensor, first: torc
     through ``distances`` [E] (float32, sorted by ``centers`` [E], see :func:`solve`):
     :func:`solve`'s root, then metatrain's implicit-function step with ``bump``
     (its ``cutoff_func_bump``), clamped to [max_cutoff / 16, max_cutoff]."""
-    r, dn = solve(distances.detach(), first, float(target), float(max_cutoff), float(width))
+    roots = _solve_op if torch.compiler.is_compiling() else solve
+    r, dn = roots(distances.detach(), first, float(target), float(max_cutoff), float(width))
     counts = torch.zeros_like(r).index_add_(0, centers, bump(distances, r[centers], width))
     residual = counts + target * (r / max_cutoff).pow(3) - target
     return (r - residual / dn.clamp_min(1e-6)).clamp(max_cutoff / 16.0, max_cutoff)
