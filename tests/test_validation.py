@@ -139,9 +139,14 @@ def test_cli_rejects_unknown_precision(capsys):
         main(["validate", "nve", "--model", "random:tiny", "--precisions", "fp32,fp16"])
 
 
-def test_info_lists_precisions_and_auto(capsys):
+def test_info_lists_precisions_and_auto(capsys, monkeypatch):
+    monkeypatch.setattr("sys.dont_write_bytecode", True)  # as PYTHONDONTWRITEBYTECODE=1 sets it
+    main(["info"])
+    assert "python bytecode cache: off (PYTHONDONTWRITEBYTECODE" in capsys.readouterr().out
+    monkeypatch.setattr("sys.dont_write_bytecode", False)
     main(["info"])
     out = capsys.readouterr().out
+    assert "python bytecode cache: " in out and "PYTHONDONTWRITEBYTECODE" not in out
     assert "auto -> fp32" in out and "tf32x3" in out and "pet-mad-s" in out
     assert "GEMM tuning: on" in out and "autotune.json" in out
     assert "attention: torch SDPA" in out  # the CPU's (tensor-core attention is for CUDA)
