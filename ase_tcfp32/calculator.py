@@ -185,6 +185,9 @@ class TCPETCalculator(Calculator):
             raise ValueError(f"unknown engine {engine!r}: use one of {', '.join(ENGINES)}")
         if engine == "graphs" and low_memory:
             raise ValueError("low_memory=True is not supported with engine='graphs' (graphs are for small systems)")
+        number = isinstance(neighbor_skin, (int, float)) and not isinstance(neighbor_skin, bool)
+        if neighbor_skin is not None and not (number and 0 <= neighbor_skin < np.inf):
+            raise ValueError(f"neighbor_skin is a distance in Å, 0 or more, not {neighbor_skin!r}")
         if emulate is None:
             self.device = resolve_device(device)
             self.precision = resolve_precision(precision, self.device)

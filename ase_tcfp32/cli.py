@@ -83,6 +83,8 @@ def _ipi_driver(args) -> None:
     options = {"template": args.template, "model": args.model, "precision": args.precision, "engine": args.engine}
     if args.device:
         options["device"] = args.device
+    if args.neighbor_skin is not None:
+        options["neighbor_skin"] = args.neighbor_skin
     command = [sys.executable, script, "-m", "custom", "-P", ipi.__file__, "-a", args.address,
                "-o", ",".join(f"{k}={v}" for k, v in options.items())]  # fmt: skip
     command += ["-u", "-S", args.sockets_prefix] if args.unix else ["-p", str(args.port)]
@@ -195,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     driver.add_argument("--precision", default="auto", choices=("auto",) + PRECISIONS)
     driver.add_argument("--engine", default="auto", choices=ENGINES)
     driver.add_argument("--device", default=None, help="cuda:0, or cuda:0;cuda:1 to split each batch across GPUs")
+    driver.add_argument("--neighbor-skin", type=float, default=None, help="Verlet skin in Å (default: the engine's)")
     driver.add_argument("--verbose", action="store_true")
     driver.set_defaults(func=_ipi_driver)
     info = commands.add_parser("info", help="versions, GPUs, precisions and what auto picks")

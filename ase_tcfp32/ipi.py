@@ -10,8 +10,9 @@ call (:meth:`TCPETCalculator.evaluate`)::
     ase-tcfp32 ipi-driver --unix --address water --template water.xyz --model pet-mad-s
 
 Options: ``template`` (a file ASE reads: the atoms' species and order, which i-PI does not
-send), ``model`` (uPET name or checkpoint), ``precision``, ``engine`` and ``device``
-(``"cuda:0;cuda:1"`` splits each batch across GPUs, one calculator and one thread per GPU).
+send), ``model`` (uPET name or checkpoint), ``precision``, ``engine``, ``neighbor_skin`` (Å)
+and ``device`` (``"cuda:0;cuda:1"`` splits each batch across GPUs, one calculator and one
+thread per GPU), as for :class:`TCPETCalculator`.
 Units and conventions are i-PI's: atomic units, the cell's lattice vectors as columns, and
 the virial ``-dE/dstrain`` (``-stress * volume``) in Hartree.
 """
@@ -78,9 +79,9 @@ class TCPETDriver(Dummy_driver):
     """i-PI's driver interface around :class:`ase_tcfp32.TCPETCalculator` (see module doc)."""
 
     def __init__(self, template: str, model: str = "pet-mad-s", precision: str = "auto", device: str | None = None,
-                 engine: str = "auto", *args, **kwargs):  # fmt: skip
+                 engine: str = "auto", neighbor_skin: str | float | None = None, *args, **kwargs):  # fmt: skip
         self.template_file, self.model, self.precision = str(template), str(model), str(precision)
-        self.device, self.engine = device, str(engine)
+        self.device, self.engine, self.neighbor_skin = device, str(engine), neighbor_skin
         super().__init__(*args, **kwargs)  # calls check_parameters()
 
     def check_parameters(self) -> None:
@@ -93,14 +94,21 @@ class TCPETDriver(Dummy_driver):
         if self.args:
             raise ValueError(f"the tcpet driver takes key=value options only, not {self.args!r}")
         if self.kwargs:
-            known = "template, model, precision, device, engine"
+            known = "template, model, precision, device, engine, neighbor_skin"
             raise ValueError(f"unknown tcpet driver option(s) {', '.join(self.kwargs)}; known: {known}")
         try:
             self.template = ase.io.read(self.template_file)
         except Exception as error:
             raise ValueError(f"the tcpet driver could not read template={self.template_file!r}: {error}") from error
+        skin = self.neighbor_skin
+        if isinstance(skin, str):  # i-PI passes options as text
+            try:
+                skin = float(skin)
+            except ValueError:
+                raise ValueError(f"the tcpet driver's neighbor_skin is a distance in Å, not {skin!r}") from None
         devices = [d.strip() for d in str(self.device).split(";")] if self.device not in (None, "", "None") else [None]
-        self.calculators = [TCPETCalculator(self.model, precision=self.precision, device=d, engine=self.engine) for d in devices]
+        self.calculators = [TCPETCalculator(self.model, precision=self.precision, device=d, engine=self.engine,
+                                            neighbor_skin=skin) for d in devices]  # fmt: skip
         self.calculators[0].check_atoms(self.template, ["energy", "forces"])
         self._pool = ThreadPoolExecutor(len(devices)) if len(devices) > 1 else None
         if self.verbose:

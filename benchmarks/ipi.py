@@ -1,14 +1,17 @@
 """Path-integral MD through i-PI: bead-steps and atom-steps per second per batch size.
 
     python benchmarks/ipi.py [--model s] [--beads 32] [--molecules 64] [--batches 1,32]
-                             [--precisions fp32,auto] [--engines auto,graphs] [--large 5760] [--out FILE.json]
+                             [--precisions fp32,auto] [--engines auto,graphs] [--large 5760]
+                             [--driver-options neighbor_skin=0.5] [--out FILE.json]
 
 A real i-PI server (unix socket) runs PIMD NVT of a water box with ``--beads`` beads; one
 driver process (``ase_tcfp32.ipi``) evaluates the forces, one structure per request
 (``batch_size`` 1) or ``--batches`` structures per request, in each precision and engine.
 The time per MD step is the median interval between consecutive lines of i-PI's output
 file after ``--warmup`` steps. ``--large N`` also runs one N-molecule box (1 bead) through
-i-PI and the same box in ASE in this process: what the socket costs. Drivers of
+i-PI and the same box in ASE in this process: what the socket costs. ``--driver-options``
+adds driver options (``ase_tcfp32.ipi``) to every driver, e.g. ``neighbor_skin=0.5`` (the
+ASE comparison keeps the calculator's defaults). Drivers of
 :func:`run` can be spread over GPUs (``benchmarks/ipi_multi_gpu.py``).
 """
 
@@ -117,6 +120,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--large", type=int, default=0, help="also one box of this many molecules, i-PI vs ASE")
+    parser.add_argument("--driver-options", default="", help="key=value,... added to every driver's options")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -126,6 +130,7 @@ def main() -> None:
     from ase_tcfp32.validation.common import environment
 
     model = str(random_checkpoint(args.model))
+    extra = dict(item.split("=", 1) for item in args.driver_options.split(",") if item)
     water = water_box(args.molecules, seed=0)
     rows = []
     print(f"{'precision':>9} {'engine':>7} {'batch':>5} {'ms/step':>9} {'bead-steps/s':>12} {'atom-steps/s':>12}")
@@ -135,10 +140,10 @@ def main() -> None:
                 if engine == "graphs" and batch * len(water) <= GRAPH_ATOMS:
                     continue  # what "auto" runs at this size
                 row = {"precision": precision, "engine": engine, "batch_size": batch, "beads": args.beads,
-                       "atoms": len(water), "model": f"random-{args.model}"}  # fmt: skip
+                       "atoms": len(water), "model": f"random-{args.model}", **extra}  # fmt: skip
                 try:
                     row.update(run(model, water, beads=args.beads, steps=args.steps, warmup=args.warmup, batch_size=batch,
-                                   drivers=[{"precision": precision, "engine": engine}]))  # fmt: skip
+                                   drivers=[{"precision": precision, "engine": engine, **extra}]))  # fmt: skip
                     row["bead_steps_per_s"] = args.beads * 1000 / row["ms_per_step"]
                     row["atom_steps_per_s"] = row["bead_steps_per_s"] * len(water)
                     print(f"{precision:>9} {engine:>7} {batch:>5} {row['ms_per_step']:9.1f} {row['bead_steps_per_s']:12.0f} "
@@ -152,9 +157,9 @@ def main() -> None:
         large = water_box(args.large, seed=0)
         for precision in args.precisions.split(","):
             row = {"precision": precision, "engine": "auto", "batch_size": 1, "beads": 1, "atoms": len(large),
-                   "model": f"random-{args.model}", "large": True}  # fmt: skip
+                   "model": f"random-{args.model}", "large": True, **extra}  # fmt: skip
             row.update(run(model, large, beads=1, steps=args.steps, warmup=args.warmup, batch_size=1,
-                           drivers=[{"precision": precision}]))  # fmt: skip
+                           drivers=[{"precision": precision, **extra}]))  # fmt: skip
             row["ase_ms_per_step"] = ase_step_ms(model, large, precision, steps=args.steps)
             row["atom_steps_per_s"] = len(large) * 1000 / row["ms_per_step"]
             print(f"{len(large)} atoms, {precision}: i-PI {row['ms_per_step']:.1f} ms/step, ASE {row['ase_ms_per_step']:.1f} "

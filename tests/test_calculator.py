@@ -173,6 +173,12 @@ def test_unknown_precision_lists_valid_ones(tiny_ckpt):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+@pytest.mark.parametrize("skin", [-0.5, float("nan"), float("inf"), "2", True])
+def test_a_bad_neighbor_skin_is_refused_before_loading(skin):
+    with pytest.raises(ValueError, match="neighbor_skin is a distance in Å, 0 or more"):
+        TCPETCalculator("no-such-model", device="cpu", neighbor_skin=skin)  # refused before the model is looked up
+
+
 def test_cuda_request_without_gpu_is_an_error(tiny_ckpt):
     with pytest.raises(RuntimeError, match="CUDA is not available"):
         TCPETCalculator(tiny_ckpt, precision="fp32", device="cuda")

@@ -175,6 +175,20 @@ def test_bad_input_stops_the_driver_with_a_clear_error(run_folder, processes, op
     assert message in (run_folder / "driver.log").read_text()
 
 
+def test_driver_options_reach_the_calculator(tmp_path):
+    """i-PI passes options as text: the skin becomes a number for the calculator, or a clear
+    error (no server needed: the driver checks its options when it is made)."""
+    from ase_tcfp32.ipi import TCPETDriver
+
+    ase.io.write(tmp_path / "water.xyz", water_box(8, seed=0))
+    options = dict(template=str(tmp_path / "water.xyz"), model=MODEL, precision="fp32", device="cpu")
+    assert TCPETDriver(**options, neighbor_skin="0.5").calculators[0]._lean.skins == (0.5, 0.5)
+    with pytest.raises(ValueError, match="neighbor_skin is a distance in Å, not 'wide'"):
+        TCPETDriver(**options, neighbor_skin="wide")
+    with pytest.raises(ValueError, match="neighbor_skin is a distance in Å, 0 or more, not -1.0"):
+        TCPETDriver(**options, neighbor_skin="-1")
+
+
 def test_the_command_line_driver_serves_a_run(run_folder, processes):
     """'ase-tcfp32 ipi-driver' is the same driver with friendlier flags: it serves a short
     run, and a template it cannot read stops it with a clear error."""
