@@ -123,7 +123,9 @@ def main() -> None:
                 if spec == "sdpa":
                     name, function, config = "sdpa", sdpa, None
                 elif spec == "default":
-                    name, function, config = "tc_attention", ours(None), kernels.config(PAD_WIDTH[(size, atoms)] + 1, D_PET[size] // HEADS)
+                    shape = (PAD_WIDTH[(size, atoms)] + 1, D_PET[size] // HEADS)
+                    config = {"forward": kernels.config(*shape), "backward": kernels.config(*shape, backward=True)}
+                    name, function = "tc_attention", ours(None)
                 else:
                     block, warps, stages = map(int, spec.split(":"))
                     config = dict(BLOCK=block, num_warps=warps, STAGES=stages)

@@ -161,27 +161,32 @@ def max_tokens(head_dim: int) -> int:
     return 128 if head_dim <= 32 else 64 if head_dim <= 64 else 0
 
 
-def config(tokens: int, head_dim: int) -> dict:
-    """Block size and launch parameters for sequences of ``tokens`` and heads of
-    ``head_dim`` (measured on H200, ``benchmarks/attention.py``: 64-row blocks with 4 warps
-    beat 128-row blocks of 3 packed sequences at PET-S's 40 tokens, 2.2x against 1.1x
-    SDPA forward + backward; a second pipeline stage helps 32-wide heads only)."""
+def config(tokens: int, head_dim: int, backward: bool = False) -> dict:
+    """Block size and launch parameters of the forward (or ``backward``) kernel for
+    sequences of ``tokens`` and heads of ``head_dim``. Measured on the H200
+    (``benchmarks/attention.py``, ``attention_h200.json``): 64-row blocks with 4 warps beat
+    128-row blocks of 3 packed sequences at PET-S's 40 tokens (2.2x against 1.1x SDPA
+    forward + backward); a second pipeline stage over the heads helps every forward (PET-M,
+    17,280 atoms: 5.8 against 7.4 ms) but only the backward of heads up to 32 wide (PET-M's
+    backward: ~18.8 ms with one stage, ~26.1 with two)."""
     if tokens > 64:  # one to two sequences per block; the backward's shared memory allows one stage
         return dict(BLOCK=128, num_warps=8, STAGES=1)
-    return dict(BLOCK=64, num_warps=4, STAGES=2 if head_dim <= 32 else 1)
+    return dict(BLOCK=64, num_warps=4, STAGES=2 if head_dim <= 32 or not backward else 1)
 
 
-def launch_shape(qkv: torch.Tensor, mask: torch.Tensor, heads: int, launch: dict | None = None) -> tuple:
+def launch_shape(qkv: torch.Tensor, mask: torch.Tensor, heads: int, launch: dict | None = None,
+                 backward: bool = False) -> tuple:  # fmt: skip
     """``(atoms, tokens, head_dim, grid, constants)`` of a launch on ``qkv`` [B, T, 3*H*D]
     and ``mask`` [B, T, T] (checked: a clear error before any launch), ``constants`` being
-    the kernels' compile-time arguments with ``launch`` (default :func:`config`)."""
+    the forward (or ``backward``) kernel's compile-time arguments with ``launch`` (default
+    :func:`config`)."""
     atoms, tokens, width = qkv.shape
     if width % (3 * heads) or mask.shape != (atoms, tokens, tokens):
         raise ValueError(f"qkv [B, T, 3*H*D] and mask [B, T, T] expected, got {tuple(qkv.shape)} and {tuple(mask.shape)}")
     head_dim = width // (3 * heads)
     if tokens > max_tokens(head_dim):
         raise ValueError(f"the attention kernels take at most {max_tokens(head_dim)} tokens with heads of {head_dim}, not {tokens}")
-    c = launch or config(tokens, head_dim)
+    c = launch or config(tokens, head_dim, backward)
     grid = (triton.cdiv(atoms, c["BLOCK"] // tokens),)
     return atoms, tokens, head_dim, grid, dict(H=heads, D=head_dim, DP=max(16, triton.next_power_of_2(head_dim)), **c)
 
@@ -201,7 +206,7 @@ def backward(grad_out: torch.Tensor, qkv: torch.Tensor, mask: torch.Tensor, head
              launch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Gradients of :func:`forward` with respect to ``qkv`` [B, T, 3*H*D] and ``mask``
     [B, T, T] (summed over the heads), for the output gradient ``grad_out`` [B, T, H*D]."""
-    atoms, tokens, _, grid, constants = launch_shape(qkv, mask, heads, launch)
+    atoms, tokens, _, grid, constants = launch_shape(qkv, mask, heads, launch, backward=True)
     grad_qkv, grad_mask = torch.empty_like(qkv), torch.empty_like(mask)
     if atoms:
         with on_device(qkv.device):

@@ -85,7 +85,7 @@ def compile_only() -> None:
                ("split dQ", _backward_dq, {**common, "grad_mask_ptr": "*fp32", **tail}),
                ("split dK dV", _backward_dkdv, {**common, **tail})]  # fmt: skip
     for head_dim in (32, 48):
-        launch = fused.config(40, head_dim)
+        launch = fused.config(40, head_dim, backward=True)
         for name, kernel, signature in kernels:
             constants = dict(H=8, D=head_dim, DP=triton.next_power_of_2(head_dim), BLOCK=launch["BLOCK"], STAGES=launch["STAGES"])
             compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants), target=TARGET,
@@ -101,7 +101,7 @@ def measure() -> None:
         qkv = torch.randn(17280, tokens, 3 * width, device="cuda", generator=g)
         mask = torch.log(torch.rand(17280, tokens, tokens, device="cuda", generator=g).clamp_min(1e-15))
         grad = torch.randn(17280, tokens, width, device="cuda", generator=g)
-        scale, launch = (width // 8) ** -0.5, fused.config(tokens, width // 8)
+        scale, launch = (width // 8) ** -0.5, fused.config(tokens, width // 8, backward=True)
         expected = fused.backward(grad, qkv, mask, 8, scale)
         found = split_backward(grad, qkv, mask, 8, scale, launch)
         agree = max(((a - b).norm() / b.norm()).item() for a, b in zip(found, expected))
