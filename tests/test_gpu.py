@@ -573,6 +573,31 @@ def test_two_calculators_in_two_threads_from_empty_caches(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+EAGER_START = """
+import sys
+from ase_tcfp32 import TCPETCalculator
+from ase_tcfp32.validation import water_box
+atoms = water_box(64, seed=0)
+atoms.calc = TCPETCalculator("pet-demo-chgnet", device="cuda")  # the defaults: lean engine, CUDA graphs
+atoms.get_forces()
+atoms.positions += 0.01
+atoms.get_forces()
+assert "torch._dynamo" not in sys.modules, "an eager evaluation imported torch._dynamo"
+print("no dynamo")
+"""
+
+
+def test_default_calculator_does_not_import_the_compiler():
+    """Session 13: the first call of a torch.library custom op imports torch._dynamo (0.47 s
+    of a 192-atom start on the H200, with the op registrations it brings); eager code calls
+    our kernels directly, so a default calculator's process never imports it."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", EAGER_START], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "no dynamo" in done.stdout, done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("precision", ["tf32x3", "fp16x3"])
 def test_watchdog_flags_the_fp16x3_outlier_on_the_gpu(precision):
     """fp16x3's kernel on a K-tile with one 1e8 entry over a zero weight column: flagged
