@@ -106,6 +106,31 @@ def _program_block(mask_ptr, B, T, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.
 
 
 @triton.jit
+def _rows(ptr, row, d, width: tl.constexpr):
+    """Pointers [BLOCK, DP] to the first ``DP`` columns of the block's ``row``s of a
+    row-major [rows, width] tensor."""
+    return ptr + row[:, None] * width + d[None, :]
+
+
+@triton.jit
+def _head(inputs, h, C: tl.constexpr, D: tl.constexpr, io):
+    """Head ``h``'s queries, keys and values [BLOCK, DP] (zero outside ``io``), ``inputs``
+    pointing at the block's rows of qkv [B*T, 3*C]."""
+    q = tl.load(inputs + h * D, mask=io, other=0.0)
+    k = tl.load(inputs + (C + h * D), mask=io, other=0.0)
+    v = tl.load(inputs + (2 * C + h * D), mask=io, other=0.0)
+    return q, k, v
+
+
+@triton.jit
+def _scores_gradient(p, do, v):
+    """The gradient of the masked scores [BLOCK, BLOCK] (before the scale), from the
+    probabilities ``p``, the output gradient ``do`` and the values ``v``."""
+    dp = _dot3(do, tl.trans(v))
+    return p * (dp - tl.sum(p * dp, 1)[:, None])
+
+
+@triton.jit
 def _probabilities(q, k, bias, scale):
     """softmax(scale * q k^T + bias) by rows, [BLOCK, BLOCK]."""
     s = _dot3(q, tl.trans(k)) * scale + bias
@@ -119,12 +144,9 @@ def _attention_forward(qkv_ptr, mask_ptr, out_ptr, B, T, scale,
                        STAGES: tl.constexpr):  # fmt: skip
     row, bias, _, _, d, io = _program_block(mask_ptr, B, T, D, DP, BLOCK)
     C: tl.constexpr = H * D
-    inputs = qkv_ptr + row[:, None] * (3 * C) + d[None, :]
-    outputs = out_ptr + row[:, None] * C + d[None, :]
+    inputs, outputs = _rows(qkv_ptr, row, d, 3 * C), _rows(out_ptr, row, d, C)
     for h in tl.range(0, H, num_stages=STAGES):
-        q = tl.load(inputs + h * D, mask=io, other=0.0)
-        k = tl.load(inputs + (C + h * D), mask=io, other=0.0)
-        v = tl.load(inputs + (2 * C + h * D), mask=io, other=0.0)
+        q, k, v = _head(inputs, h, C, D, io)
         p = _probabilities(q, k, bias, scale)
         tl.store(outputs + h * D, _dot3_exact_b(p, v), mask=io)
 
@@ -135,19 +157,15 @@ def _attention_backward(qkv_ptr, mask_ptr, grad_out_ptr, grad_qkv_ptr, grad_mask
                         STAGES: tl.constexpr):  # fmt: skip
     row, bias, offsets, same, d, io = _program_block(mask_ptr, B, T, D, DP, BLOCK)
     C: tl.constexpr = H * D
-    inputs = qkv_ptr + row[:, None] * (3 * C) + d[None, :]
-    grads = grad_qkv_ptr + row[:, None] * (3 * C) + d[None, :]
-    grad_outputs = grad_out_ptr + row[:, None] * C + d[None, :]
+    inputs, grads = _rows(qkv_ptr, row, d, 3 * C), _rows(grad_qkv_ptr, row, d, 3 * C)
+    grad_outputs = _rows(grad_out_ptr, row, d, C)
     grad_bias = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)  # summed over the heads
     for h in tl.range(0, H, num_stages=STAGES):
-        q = tl.load(inputs + h * D, mask=io, other=0.0)
-        k = tl.load(inputs + (C + h * D), mask=io, other=0.0)
-        v = tl.load(inputs + (2 * C + h * D), mask=io, other=0.0)
+        q, k, v = _head(inputs, h, C, D, io)
         do = tl.load(grad_outputs + h * D, mask=io, other=0.0)
         p = _probabilities(q, k, bias, scale)
         tl.store(grads + (2 * C + h * D), _dot3(tl.trans(p), do), mask=io)  # dV = P^T dO
-        dp = _dot3(do, tl.trans(v))
-        ds = p * (dp - tl.sum(p * dp, 1)[:, None])  # the gradient of the masked scores
+        ds = _scores_gradient(p, do, v)
         grad_bias += ds
         ds = ds * scale
         tl.store(grads + h * D, _dot3(ds, k), mask=io)  # dQ

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ase_tcfp32.kernels import attention as fused
-from ase_tcfp32.kernels.attention import _dot3, _probabilities, _program_block
+from ase_tcfp32.kernels.attention import _dot3, _head, _probabilities, _program_block, _rows, _scores_gradient
 
 
 @triton.jit(do_not_specialize=["B", "T"])
@@ -29,18 +29,13 @@ def _backward_dq(qkv_ptr, mask_ptr, grad_out_ptr, grad_qkv_ptr, grad_mask_ptr, B
                  H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
     row, bias, offsets, same, d, io = _program_block(mask_ptr, B, T, D, DP, BLOCK)
     C: tl.constexpr = H * D
-    inputs = qkv_ptr + row[:, None] * (3 * C) + d[None, :]
-    grads = grad_qkv_ptr + row[:, None] * (3 * C) + d[None, :]
-    grad_outputs = grad_out_ptr + row[:, None] * C + d[None, :]
+    inputs, grads = _rows(qkv_ptr, row, d, 3 * C), _rows(grad_qkv_ptr, row, d, 3 * C)
+    grad_outputs = _rows(grad_out_ptr, row, d, C)
     grad_bias = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
     for h in tl.range(0, H, num_stages=STAGES):
-        q = tl.load(inputs + h * D, mask=io, other=0.0)
-        k = tl.load(inputs + (C + h * D), mask=io, other=0.0)
-        v = tl.load(inputs + (2 * C + h * D), mask=io, other=0.0)
+        q, k, v = _head(inputs, h, C, D, io)
         do = tl.load(grad_outputs + h * D, mask=io, other=0.0)
-        p = _probabilities(q, k, bias, scale)
-        dp = _dot3(do, tl.trans(v))
-        ds = p * (dp - tl.sum(p * dp, 1)[:, None])
+        ds = _scores_gradient(_probabilities(q, k, bias, scale), do, v)
         grad_bias += ds
         tl.store(grads + h * D, _dot3(ds * scale, k), mask=io)
     tl.store(grad_mask_ptr + offsets, grad_bias, mask=same)
@@ -51,18 +46,14 @@ def _backward_dkdv(qkv_ptr, mask_ptr, grad_out_ptr, grad_qkv_ptr, B, T, scale,
                    H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
     row, bias, _, _, d, io = _program_block(mask_ptr, B, T, D, DP, BLOCK)
     C: tl.constexpr = H * D
-    inputs = qkv_ptr + row[:, None] * (3 * C) + d[None, :]
-    grads = grad_qkv_ptr + row[:, None] * (3 * C) + d[None, :]
-    grad_outputs = grad_out_ptr + row[:, None] * C + d[None, :]
+    inputs, grads = _rows(qkv_ptr, row, d, 3 * C), _rows(grad_qkv_ptr, row, d, 3 * C)
+    grad_outputs = _rows(grad_out_ptr, row, d, C)
     for h in tl.range(0, H, num_stages=STAGES):
-        q = tl.load(inputs + h * D, mask=io, other=0.0)
-        k = tl.load(inputs + (C + h * D), mask=io, other=0.0)
-        v = tl.load(inputs + (2 * C + h * D), mask=io, other=0.0)
+        q, k, v = _head(inputs, h, C, D, io)
         do = tl.load(grad_outputs + h * D, mask=io, other=0.0)
         p = _probabilities(q, k, bias, scale)
         tl.store(grads + (2 * C + h * D), _dot3(tl.trans(p), do), mask=io)
-        dp = _dot3(do, tl.trans(v))
-        ds = p * (dp - tl.sum(p * dp, 1)[:, None])
+        ds = _scores_gradient(p, do, v)
         tl.store(grads + (C + h * D), _dot3(tl.trans(ds * scale), q), mask=io)
 
 
