@@ -6,10 +6,11 @@ PY := $(VENV)/bin/python
 .PHONY: demo test gpu-test docs clean
 
 $(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test]"
-	touch $@
+	@echo "installing ase-tcfp32 and its dependencies into $(VENV) (once; a few minutes on a fresh machine)"
+	@$(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -qq --upgrade pip
+	@$(PY) -m pip install -qq -e ".[test]"
+	@touch $@
 
 demo: $(VENV)/.installed
 	$(PY) examples/md_water.py
