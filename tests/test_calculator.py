@@ -1,3 +1,5 @@
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -282,7 +284,6 @@ def test_offline_model_name_fails_at_once_without_the_download_code(monkeypatch)
 def test_out_of_memory_message_says_what_fits():
     """The estimate reproduces the measured largest boxes of the H200 (PET-S 49,152 and
     PET-M 15,360 atoms in 139 GB) to 10%, and suggests low_memory unless it is on."""
-    import re
 
     from ase_tcfp32.calculator import out_of_memory_message
     from ase_tcfp32.models import random_pet
@@ -306,6 +307,10 @@ def test_a_long_first_evaluation_says_what_it_is_doing(tiny_ckpt, water, monkeyp
     water.get_forces()
     err = capsys.readouterr().err
     assert "ase-tcfp32: first evaluation (24 atoms)" in err and "torch.compile" in err
+    # captured standard error is no terminal: plain lines as in a log file, none redrawn
+    lines = err.splitlines()
+    assert "\r" not in err and err.endswith("\n") and len(lines) < 10, err
+    assert re.fullmatch(r"ase-tcfp32: first evaluation \(24 atoms\): done in [\d.]+ s", lines[-1]), err
     water.positions += 0.01
     water.get_forces()
     assert "first evaluation" not in capsys.readouterr().err
