@@ -2,7 +2,7 @@
 
     python benchmarks/ipi.py [--model s] [--beads 32] [--molecules 64] [--batches 1,32]
                              [--precisions fp32,auto] [--engines auto,graphs] [--large 5760]
-                             [--driver-options neighbor_skin=0.5] [--out FILE.json]
+                             [--driver-options neighbor_skin=0.5] [--floor] [--out FILE.json]
 
 A real i-PI server (unix socket) runs PIMD NVT of a water box with ``--beads`` beads; one
 driver process (``ase_tcfp32.ipi``) evaluates the forces, one structure per request
@@ -11,7 +11,9 @@ The time per MD step is the median interval between consecutive lines of i-PI's 
 file after ``--warmup`` steps. ``--large N`` also runs one N-molecule box (1 bead) through
 i-PI and the same box in ASE in this process: what the socket costs. ``--driver-options``
 adds driver options (``ase_tcfp32.ipi``) to every driver, e.g. ``neighbor_skin=0.5`` (the
-ASE comparison keeps the calculator's defaults). Drivers of
+ASE comparison keeps the calculator's defaults). ``--floor`` also runs each batch size with
+i-PI's own ``dummy`` driver (zero forces, no model): what the server's integration and the
+socket cost per step, the part of a step no driver can remove. Drivers of
 :func:`run` can be spread over GPUs (``benchmarks/ipi_multi_gpu.py``).
 """
 
@@ -39,7 +41,8 @@ DRIVER = shutil.which("i-pi-py_driver") or str(Path(sys.executable).parent / "i-
 def run(model: str, structure, *, beads: int, steps: int, warmup: int, batch_size: int,
         drivers: list[dict], timeout: float = 540.0) -> dict:  # fmt: skip
     """One i-PI run; ``drivers``: per driver process its options (``precision``, ``engine``,
-    ``device``) and, optionally, ``env`` (e.g. ``CUDA_VISIBLE_DEVICES``). Returns the median
+    ``device``) and, optionally, ``env`` (e.g. ``CUDA_VISIBLE_DEVICES``) and ``mode`` (an
+    i-PI driver other than ours, e.g. ``"dummy"``: no options passed). Returns the median
     ms per MD step after ``warmup`` steps and the seconds to the first step."""
     import ase.io
 
@@ -63,10 +66,11 @@ def run(model: str, structure, *, beads: int, steps: int, warmup: int, batch_siz
             time.sleep(0.1)
         for k, options in enumerate(drivers):
             options = dict(options)
-            extra = options.pop("env", {})
-            params = {"template": f"{folder}/structure.xyz", "model": model, **options}
-            args = [sys.executable, DRIVER, "-m", "custom", "-P", ipi.__file__, "-u", "-a", "pet",
-                    "-S", f"{folder}/", "-o", ",".join(f"{key}={value}" for key, value in params.items())]  # fmt: skip
+            extra, mode = options.pop("env", {}), options.pop("mode", "custom")
+            args = [sys.executable, DRIVER, "-m", mode, "-u", "-a", "pet", "-S", f"{folder}/"]
+            if mode == "custom":
+                params = {"template": f"{folder}/structure.xyz", "model": model, **options}
+                args += ["-P", ipi.__file__, "-o", ",".join(f"{key}={value}" for key, value in params.items())]
             started.append(subprocess.Popen(args, cwd=folder, stdout=open(folder / f"driver{k}.log", "w"),
                                             stderr=subprocess.STDOUT, env={**env, **extra}, start_new_session=True))  # fmt: skip
         stamps, lines, out = [], 0, folder / "sim.out"
@@ -115,12 +119,13 @@ def main() -> None:
     parser.add_argument("--beads", type=int, default=32)
     parser.add_argument("--molecules", type=int, default=64)
     parser.add_argument("--batches", default="1,32", help="batch sizes ('' for none: only --large)")
-    parser.add_argument("--precisions", default="fp32,auto")
+    parser.add_argument("--precisions", default="fp32,auto", help="'' for none (with --floor: only i-PI's cost)")
     parser.add_argument("--engines", default="auto,graphs", help="engines tried per batch size (the fastest counts)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--large", type=int, default=0, help="also one box of this many molecules, i-PI vs ASE")
     parser.add_argument("--driver-options", default="", help="key=value,... added to every driver's options")
+    parser.add_argument("--floor", action="store_true", help="also each batch size with i-PI's dummy driver (no model)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -134,28 +139,33 @@ def main() -> None:
     water = water_box(args.molecules, seed=0)
     rows = []
     print(f"{'precision':>9} {'engine':>7} {'batch':>5} {'ms/step':>9} {'bead-steps/s':>12} {'atom-steps/s':>12}")
-    for precision in args.precisions.split(",") if args.batches else []:
-        for batch in map(int, args.batches.split(",")):
-            for engine in args.engines.split(","):
-                if engine == "graphs" and batch * len(water) <= GRAPH_ATOMS:
-                    continue  # what "auto" runs at this size
-                row = {"precision": precision, "engine": engine, "batch_size": batch, "beads": args.beads,
-                       "atoms": len(water), "model": f"random-{args.model}", **extra}  # fmt: skip
-                try:
-                    row.update(run(model, water, beads=args.beads, steps=args.steps, warmup=args.warmup, batch_size=batch,
-                                   drivers=[{"precision": precision, "engine": engine, **extra}]))  # fmt: skip
-                    row["bead_steps_per_s"] = args.beads * 1000 / row["ms_per_step"]
-                    row["atom_steps_per_s"] = row["bead_steps_per_s"] * len(water)
-                    print(f"{precision:>9} {engine:>7} {batch:>5} {row['ms_per_step']:9.1f} {row['bead_steps_per_s']:12.0f} "
-                          f"{row['atom_steps_per_s']:12.0f}", flush=True)  # fmt: skip
-                except Exception as error:  # a configuration that fails must not stop the others
-                    row["error"] = str(error)[-1500:]
-                    print(f"{precision:>9} {engine:>7} {batch:>5} failed: {row['error'][-300:]}", flush=True)
-                rows.append(row)
-                save(args.out, rows, environment)
+    batches = list(map(int, args.batches.split(","))) if args.batches else []
+    runs = [("none", "dummy", batch) for batch in batches if args.floor]
+    precisions = [p for p in args.precisions.split(",") if p]
+    runs += [(precision, engine, batch) for precision in precisions for batch in batches for engine in args.engines.split(",")
+             if not (engine == "graphs" and batch * len(water) <= GRAPH_ATOMS)]  # "graphs" where "auto" is graphs: skipped
+    for precision, engine, batch in runs:
+        row = {"precision": precision, "engine": engine, "batch_size": batch, "beads": args.beads, "atoms": len(water)}
+        if engine == "dummy":
+            driver = {"mode": "dummy"}
+        else:
+            driver = {"precision": precision, "engine": engine, **extra}
+            row.update(model=f"random-{args.model}", **extra)
+        try:
+            row.update(run(model, water, beads=args.beads, steps=args.steps, warmup=args.warmup, batch_size=batch,
+                           drivers=[driver]))  # fmt: skip
+            row["bead_steps_per_s"] = args.beads * 1000 / row["ms_per_step"]
+            row["atom_steps_per_s"] = row["bead_steps_per_s"] * len(water)
+            print(f"{precision:>9} {engine:>7} {batch:>5} {row['ms_per_step']:9.1f} {row['bead_steps_per_s']:12.0f} "
+                  f"{row['atom_steps_per_s']:12.0f}", flush=True)  # fmt: skip
+        except Exception as error:  # a configuration that fails must not stop the others
+            row["error"] = str(error)[-1500:]
+            print(f"{precision:>9} {engine:>7} {batch:>5} failed: {row['error'][-300:]}", flush=True)
+        rows.append(row)
+        save(args.out, rows, environment)
     if args.large:
         large = water_box(args.large, seed=0)
-        for precision in args.precisions.split(","):
+        for precision in precisions:
             row = {"precision": precision, "engine": "auto", "batch_size": 1, "beads": 1, "atoms": len(large),
                    "model": f"random-{args.model}", "large": True, **extra}  # fmt: skip
             row.update(run(model, large, beads=1, steps=args.steps, warmup=args.warmup, batch_size=1,
@@ -170,8 +180,11 @@ def main() -> None:
 
 def save(path, rows, environment) -> None:
     if path:
+        from importlib.metadata import version
+
+        env = {**environment("cuda"), "ipi": version("ipi"), "host_cpus": os.cpu_count()}
         with open(path, "w") as f:
-            json.dump({"environment": environment("cuda"), "rows": rows}, f, indent=1)
+            json.dump({"environment": env, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
