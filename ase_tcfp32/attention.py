@@ -24,7 +24,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .kernels.context import INTERPRETED
-from .precision import FP32_ACCURATE
+from .precision import FP32_ACCURATE, triton_build_problem
 
 
 def _kernels():
@@ -144,8 +144,9 @@ def __getattr__(name: str):
 
 def on_tensor_cores(precision: str, device: torch.device | str) -> bool:
     """Whether a calculator in ``precision`` on ``device`` runs PET's attention through
-    :func:`tc_attention` (FP32-accurate precisions on CUDA) rather than torch's SDPA."""
-    return precision in FP32_ACCURATE and torch.device(device).type == "cuda"
+    :func:`tc_attention` (FP32-accurate precisions on CUDA, where Triton can build its
+    launchers: :func:`ase_tcfp32.precision.triton_build_problem`) rather than torch's SDPA."""
+    return precision in FP32_ACCURATE and torch.device(device).type == "cuda" and triton_build_problem() is None
 
 
 def swap_attention_blocks(module: torch.nn.Module, enable: bool = True) -> list[str]:

@@ -31,7 +31,7 @@ from .lean import LeanPET
 from .models import import_dependencies, load_pet, recompute_gnn_layers
 from .progress import enabled as show_progress
 from .progress import shown
-from .precision import check_name, ieee_fp32_matmul, resolve_precision, support
+from .precision import check_name, ieee_fp32_matmul, resolve_precision, support, triton_build_problem
 from .tcmodel import tensor_core
 
 
@@ -196,6 +196,8 @@ class TCPETCalculator(Calculator):
             _check_emulation(emulate, precision, device)
             self.device, self.precision = torch.device("cpu"), precision
             self.backend = f"tcmodel:{tensor_core(emulate).name}"
+        if compile and self.device.type == "cuda" and triton_build_problem() is not None:
+            raise RuntimeError(f"compile=True needs Triton, which cannot build its GPU launchers here: {triton_build_problem()}")
         if engine == "graphs" and self.device.type != "cuda":
             raise ValueError(f"engine='graphs' records CUDA graphs and needs a CUDA device, not '{self.device}'")
         self.emulate = emulate

@@ -125,7 +125,10 @@ def _info(args) -> None:
     try:
         import triton
 
-        print(f"triton {triton.__version__}")
+        from .precision import triton_build_problem
+
+        problem = triton_build_problem()
+        print(f"triton {triton.__version__}" + (f": cannot build its GPU launchers here, {problem}" if problem else ""))
     except ImportError:
         print("triton: not installed (GPU kernels unavailable)")
     devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]

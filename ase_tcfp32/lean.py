@@ -35,6 +35,7 @@ from ase import Atoms
 from . import progress, watchdog
 from .compilation import compiled
 from .kernels.context import INTERPRETED
+from .precision import triton_build_problem
 
 _FAR = 1.0e6
 """Distance given to the padding pairs: past every cutoff, so they weigh exactly zero."""
@@ -158,6 +159,21 @@ def _per_type_energy(pet: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return scale, offset
 
 
+def cutoff_kernel_usable(device: torch.device) -> bool:
+    """Whether PET's adaptive-cutoff solver can run in our kernel on ``device`` (CUDA, or
+    CPU tensors under Triton's interpreter); on a GPU where Triton cannot build its
+    launchers, metatrain's torch code runs instead, with a warning saying why."""
+    if INTERPRETED:
+        return True
+    if device.type != "cuda":
+        return False
+    problem = triton_build_problem()
+    if problem is not None:
+        warnings.warn(f"PET's adaptive cutoffs run in metatrain's torch code, slower: Triton cannot build its launchers "
+                      f"here ({problem})", stacklevel=3)  # fmt: skip
+    return problem is None
+
+
 class LeanPET:
     """Energy, forces and stress of a metatrain PET on plain tensors (see module doc).
 
@@ -206,7 +222,7 @@ class LeanPET:
         solver = self.backend.adaptive_cutoff_method.lower() == "solver"
         self._adaptive_cutoffs = adaptive_cutoff.get_adaptive_cutoffs_solver if solver else adaptive_cutoff.get_adaptive_cutoffs_grid
         self._solver_kernel = None  # the solver's iterations in one kernel of ours: on CUDA, in FP32
-        if solver and self.dtype == torch.float32 and (device.type == "cuda" or INTERPRETED):
+        if solver and self.dtype == torch.float32 and cutoff_kernel_usable(device):
             from .kernels.cutoffs import adaptive_cutoffs
 
             self._solver_kernel = functools.partial(adaptive_cutoffs, bump=utilities.cutoff_func_bump)

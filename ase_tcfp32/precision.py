@@ -22,6 +22,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import os
+import shutil
+import sysconfig
 import warnings
 from dataclasses import dataclass
 from typing import Iterator
@@ -76,6 +79,32 @@ def _has_gluon() -> bool:
         return False
 
 
+@functools.cache
+def triton_build_problem() -> str | None:
+    """Why Triton cannot build here the small C modules it compiles on first use (its CUDA
+    driver bindings and kernel launchers, with a C compiler against Python's headers), or
+    None. Slim containers (CUDA runtime images, ``python:*-slim``) often lack both: torch
+    runs there, our kernels would fail at their first launch. Triton finds the compiler as
+    it does: ``$CC``, else ``gcc``, else ``clang``."""
+    try:
+        from triton import knobs
+
+        if knobs.build.impl is not None:  # a build function of the user's own
+            return None
+    except (ImportError, AttributeError):
+        pass
+    compiler = os.environ.get("CC")
+    if compiler is not None and shutil.which(compiler) is None:
+        return f"CC={compiler!r} is not an executable"
+    if compiler is None and shutil.which("gcc") is None and shutil.which("clang") is None:
+        return "no C compiler (gcc or clang on PATH, or $CC); install one, e.g. 'apt install gcc'"
+    scheme = sysconfig.get_default_scheme()
+    include = sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local" else scheme)["include"]
+    if not os.path.exists(os.path.join(include, "Python.h")):
+        return f"Python's C headers are missing ({include}/Python.h); install them, e.g. 'apt install python3-dev'"
+    return None
+
+
 def support(precision: str, device: torch.device | str) -> PrecisionSupport:
     """Tell whether ``precision`` runs on ``device`` and through which backend."""
     check_name(precision, allow_auto=False)
@@ -93,6 +122,12 @@ def support(precision: str, device: torch.device | str) -> PrecisionSupport:
         return PrecisionSupport(
             precision, str(device), False, "none",
             f"compute capability {cc[0]}.{cc[1]} has no TF32/BF16 tensor cores (needs 8.0+)",
+        )
+    built = precision != "bf16x9" or cc not in BLACKWELL_BF16X9  # by Triton: everything but cuBLAS's BF16x9
+    if built and triton_build_problem() is not None:
+        return PrecisionSupport(
+            precision, str(device), False, "none",
+            f"our GPU kernels need Triton to build its launchers, which it cannot here: {triton_build_problem()}",
         )
     if precision == "fp16x3":
         if cc != HOPPER:
@@ -127,7 +162,8 @@ def auto_precision(device: torch.device | str) -> tuple[str, str]:
     if cc == HOPPER and support("fp16x3", device).available:
         return "fp16x3", f"{name} runs our fp16x3 kernel (FP16 tensor cores, per-row scaling)"
     if cc[0] in (8, 9):
-        return "tf32x3", f"{name} has TF32 tensor cores"
+        tf32x3 = support("tf32x3", device)
+        return ("tf32x3", f"{name} has TF32 tensor cores") if tf32x3.available else ("fp32", tf32x3.note)
     return "fp32", f"{name} is not in the tested table (9.0 -> fp16x3; 8.x, 9.x -> tf32x3; 10.0, 10.3 -> bf16x9)"
 
 

@@ -85,3 +85,65 @@ def test_ieee_guard_restores_the_callers_setting():
         assert matmul.fp32_precision == "tf32"
     finally:
         matmul.fp32_precision = saved
+
+
+@pytest.fixture
+def no_toolchain(monkeypatch, tmp_path):
+    """A machine without a C compiler (PATH holds no gcc or clang, $CC unset), as slim
+    CUDA runtime containers are: Triton cannot build its launchers there."""
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    precision_module.triton_build_problem.cache_clear()
+    yield
+    precision_module.triton_build_problem.cache_clear()
+
+
+def test_a_machine_without_a_c_compiler_is_told_so_and_runs_fp32(fake_gpu, no_toolchain):
+    from ase_tcfp32.attention import on_tensor_cores
+
+    assert "no C compiler" in precision_module.triton_build_problem()
+    for cc, fallback in (((9, 0), "fp32"), ((8, 0), "fp32"), ((10, 0), "bf16x9")):
+        fake_gpu(cc)
+        chosen, why = auto_precision("cuda")
+        assert chosen == fallback, (cc, chosen, why)
+        if fallback == "fp32":
+            assert "no C compiler" in why
+            with pytest.warns(UserWarning, match="precision='auto' uses fp32: .*Triton.*no C compiler"):
+                resolve_precision("auto", "cuda")
+            with pytest.raises(UnsupportedPrecisionError, match="need Triton to build its launchers.*no C compiler"):
+                resolve_precision("tf32x3", "cuda")
+        assert not on_tensor_cores(chosen, "cuda")  # bf16x9's GEMMs are cuBLAS's; its attention would be Triton's
+    assert support("fp32", "cuda").available
+
+
+def test_the_toolchain_check_follows_tritons_rules(monkeypatch, tmp_path):
+    """$CC first (it must be an executable), and Python's headers where Triton looks."""
+    import os
+    import sysconfig
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    check = precision_module.triton_build_problem
+    check.cache_clear()
+    try:
+        monkeypatch.setenv("CC", str(tmp_path / "missing-cc"))
+        assert "is not an executable" in check()
+        compiler = tmp_path / "cc"
+        compiler.write_text("#!/bin/sh\n")
+        compiler.chmod(0o755)
+        monkeypatch.setenv("CC", str(compiler))
+        check.cache_clear()
+        if os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
+            assert check() is None
+        monkeypatch.setattr(sysconfig, "get_paths", lambda scheme=None: {"include": str(tmp_path)})
+        check.cache_clear()
+        assert "Python.h" in check()
+    finally:
+        check.cache_clear()
+
+
+def test_without_a_c_compiler_the_cutoffs_run_in_torch_with_a_warning(no_toolchain):
+    from ase_tcfp32.lean import cutoff_kernel_usable
+
+    with pytest.warns(UserWarning, match="adaptive cutoffs run in metatrain's torch code.*no C compiler"):
+        assert not cutoff_kernel_usable(torch.device("cuda"))
+    assert not cutoff_kernel_usable(torch.device("cpu"))
