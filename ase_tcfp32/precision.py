@@ -25,6 +25,7 @@ import importlib.util
 import os
 import shutil
 import sysconfig
+import tempfile
 import warnings
 from dataclasses import dataclass
 from typing import Iterator
@@ -81,18 +82,24 @@ def _has_gluon() -> bool:
 
 @functools.cache
 def triton_build_problem() -> str | None:
-    """Why Triton cannot build here the small C modules it compiles on first use (its CUDA
-    driver bindings and kernel launchers, with a C compiler against Python's headers), or
-    None. Slim containers (CUDA runtime images, ``python:*-slim``) often lack both: torch
-    runs there, our kernels would fail at their first launch. Triton finds the compiler as
-    it does: ``$CC``, else ``gcc``, else ``clang``."""
-    try:
-        from triton import knobs
+    """Why Triton cannot build and keep our kernels here, or None.
 
-        if knobs.build.impl is not None:  # a build function of the user's own
-            return None
-    except (ImportError, AttributeError):
-        pass
+    Triton compiles small C modules on first use (its CUDA driver bindings and kernel
+    launchers, with a C compiler against Python's headers), found as Triton finds them:
+    ``$CC``, else ``gcc``, else ``clang``. Slim containers (CUDA runtime images,
+    ``python:*-slim``) often lack both: torch runs there, our kernels would fail at their
+    first launch. Triton also writes every compiled kernel to its cache folder; where that
+    cannot be written (a container whose home folder is not writable) this points Triton
+    at one in the temporary directory (``$TRITON_CACHE_DIR``), with a warning."""
+    try:
+        import triton
+    except ImportError:
+        return "Triton is not installed"
+    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4
+    if knobs is not None:
+        cache = _triton_cache_problem(knobs)
+        if cache is not None or getattr(knobs.build, "impl", None) is not None:  # impl: the user's own build function
+            return cache
     compiler = os.environ.get("CC")
     if compiler is not None and shutil.which(compiler) is None:
         return f"CC={compiler!r} is not an executable"
@@ -102,6 +109,32 @@ def triton_build_problem() -> str | None:
     include = sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local" else scheme)["include"]
     if not os.path.exists(os.path.join(include, "Python.h")):
         return f"Python's C headers are missing ({include}/Python.h); install them, e.g. 'apt install python3-dev'"
+    return None
+
+
+def _writable(folder: str) -> bool:
+    try:
+        os.makedirs(folder, exist_ok=True)
+        probe = os.path.join(folder, f".write-test-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+        return True
+    except OSError:
+        return False
+
+
+def _triton_cache_problem(knobs) -> str | None:
+    """Triton's cache folder made writable (see :func:`triton_build_problem`), or why not."""
+    folder = knobs.cache.dir
+    if _writable(folder):
+        return None
+    fallback = os.path.join(tempfile.gettempdir(), f"triton-cache-{os.getuid()}")
+    if not _writable(fallback):
+        return f"neither Triton's cache folder {folder} nor {fallback} can be written"
+    warnings.warn(f"Triton's cache folder {folder} cannot be written: compiled GPU kernels go to {fallback} "
+                  "(set TRITON_CACHE_DIR to a lasting folder to keep them across reboots)", stacklevel=2)  # fmt: skip
+    os.environ["TRITON_CACHE_DIR"] = knobs.cache.dir = fallback  # this process and the compiler's workers
     return None
 
 

@@ -147,3 +147,24 @@ def test_without_a_c_compiler_the_cutoffs_run_in_torch_with_a_warning(no_toolcha
     with pytest.warns(UserWarning, match="adaptive cutoffs run in metatrain's torch code.*no C compiler"):
         assert not cutoff_kernel_usable(torch.device("cuda"))
     assert not cutoff_kernel_usable(torch.device("cpu"))
+
+
+def test_an_unwritable_triton_cache_moves_to_the_temporary_folder_with_a_warning(monkeypatch, tmp_path):
+    """A container whose home folder cannot be written: Triton's cache goes to the
+    temporary folder instead of every kernel failing to compile (a path under a file: not
+    writable even for root)."""
+    from triton import knobs
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(blocked / "cache"))
+    monkeypatch.setattr(precision_module.tempfile, "gettempdir", lambda: str(tmp_path))
+    precision_module.triton_build_problem.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="Triton's cache folder .*a-file/cache cannot be written"):
+            precision_module.triton_build_problem()
+        assert knobs.cache.dir.startswith(str(tmp_path / "triton-cache-"))
+        assert precision_module._writable(knobs.cache.dir)
+    finally:
+        del knobs.cache.dir  # back to $TRITON_CACHE_DIR, which monkeypatch restores
+        precision_module.triton_build_problem.cache_clear()
