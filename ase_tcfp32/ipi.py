@@ -22,12 +22,15 @@ from __future__ import annotations
 __DRIVER_NAME__ = "tcpet"
 __DRIVER_CLASS__ = "TCPETDriver"
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from ipi.pes.dummy import Dummy_driver
-from ipi.utils.units import unit_to_internal, unit_to_user
+from ipi.utils.units import unit_to_internal
+
+LENGTH, ENERGY, FORCE = (unit_to_internal(kind, unit, 1.0) for kind, unit in
+                         (("length", "angstrom"), ("energy", "electronvolt"), ("force", "ev/ang")))  # fmt: skip
+"""i-PI's atomic units per Å, eV and eV/Å (its own constants)."""
 
 
 PIMD_INPUT = """<simulation verbosity='low' sockets_prefix='{sockets}' safe_stride='100000'>
@@ -111,34 +114,35 @@ class TCPETDriver(Dummy_driver):
                                             neighbor_skin=skin) for d in devices]  # fmt: skip
         self.calculators[0].check_atoms(self.template, ["energy", "forces"])
         self._pool = ThreadPoolExecutor(len(devices)) if len(devices) > 1 else None
+        self._slots: list = []  # one Atoms per place in a batch, refilled by each request
         if self.verbose:
             print("tcpet driver:", *map(repr, self.calculators), sep="\n  ", flush=True)
 
-    def _structure(self, cell: np.ndarray, positions: np.ndarray):
-        """i-PI's cell (Bohr, vectors as columns) and positions (Bohr) as ASE Atoms (Å)."""
+    def _structure(self, k: int, cell: np.ndarray, positions: np.ndarray):
+        """i-PI's cell (Bohr, vectors as columns) and positions (Bohr) of the ``k``-th
+        structure of a request as ASE Atoms (Å): the ``k``-th slot, refilled in place."""
         if len(positions) != len(self.template):
             raise ValueError(
                 f"i-PI sent {len(positions)} atoms but the template {self.template_file!r} has {len(self.template)}: "
                 "the driver's template must hold the simulation's atoms in i-PI's order"
             )
-        atoms = self.template.copy()
-        atoms.positions = unit_to_user("length", "angstrom", np.asarray(positions, float))
-        cell = unit_to_user("length", "angstrom", np.asarray(cell, float).T)
-        atoms.set_cell(cell, scale_atoms=False)
+        while len(self._slots) <= k:
+            self._slots.append(self.template.copy())
+        atoms = self._slots[k]
+        np.divide(positions, LENGTH, out=atoms.positions)
+        cell = np.asarray(cell, float).T / LENGTH
+        atoms.cell[:] = cell
         atoms.pbc = np.linalg.norm(cell, axis=1) > 0
         return atoms
 
     def _answer(self, atoms, result: dict) -> tuple:
         """(potential Ha, forces Ha/Bohr [n, 3], virial Ha [3, 3], extras) for i-PI."""
-        energy = unit_to_internal("energy", "electronvolt", result["energy"])
-        forces = np.asarray(unit_to_internal("force", "ev/ang", result["forces"]), np.float64)
         virial = np.zeros((3, 3))
         if "stress" in result:
             from ase.stress import voigt_6_to_full_3x3_stress
 
-            virial = -voigt_6_to_full_3x3_stress(result["stress"]) * atoms.get_volume()
-            virial = np.asarray(unit_to_internal("energy", "electronvolt", virial.T), np.float64)
-        return energy, forces, virial, json.dumps({})
+            virial = -voigt_6_to_full_3x3_stress(result["stress"]).T * (atoms.get_volume() * ENERGY)
+        return result["energy"] * ENERGY, result["forces"] * FORCE, virial, "{}"
 
     def compute_structure(self, cell, pos) -> tuple:
         return self.compute([cell], [pos])[0]
@@ -150,7 +154,7 @@ class TCPETDriver(Dummy_driver):
             return self.compute([cell], [pos])[0]
         if not isinstance(pos, list) or len(cell) != len(pos):
             raise ValueError("a batch needs lists of cells and positions of the same length")
-        structures = [self._structure(c, p) for c, p in zip(cell, pos)]
+        structures = [self._structure(k, c, p) for k, (c, p) in enumerate(zip(cell, pos))]
         chunk = -(-len(structures) // len(self.calculators))
         parts = [structures[k : k + chunk] for k in range(0, len(structures), chunk)]
         if self._pool is None:
