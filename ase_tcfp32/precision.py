@@ -95,8 +95,8 @@ def triton_build_problem() -> str | None:
         import triton
     except ImportError:
         return "Triton is not installed"
-    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4
-    if knobs is not None:
+    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4 (older ones: no cache check)
+    if hasattr(getattr(knobs, "cache", None), "dir"):
         cache = _triton_cache_problem(knobs)
         if cache is not None or getattr(knobs.build, "impl", None) is not None:  # impl: the user's own build function
             return cache

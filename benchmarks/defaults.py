@@ -72,13 +72,15 @@ def child(shape: str, molecules: int, kwargs: dict, steps: int) -> dict:
     MaxwellBoltzmannDistribution(atoms, temperature_K=300, rng=np.random.default_rng(0))
     dyn = VelocityVerlet(atoms, 0.25 * fs)
     dyn.run(1)
-    torch.cuda.synchronize()
+    gpu = torch.cuda.is_available()
+    if gpu:
+        torch.cuda.synchronize()
     first = time.perf_counter() - start
     dyn.run(3)
     times = md_step_times(dyn, steps)
     row = {"precision": calc.precision, "engine": calc.engine, "compiled": calc.compiled, "repr": repr(calc),
            "ms": 1000 * float(np.median(times)), "first_s": first, "imports_s": imports,
-           "peak_GB": torch.cuda.max_memory_allocated() / 1e9}  # fmt: skip
+           "peak_GB": torch.cuda.max_memory_allocated() / 1e9 if gpu else None}  # fmt: skip
     if calc.compiled:
         from torch._dynamo.utils import counters
 
