@@ -82,12 +82,17 @@ def test_report_from_the_files_of_tests_run_one_by_one(quick_suite, capsys):
 
 
 def test_nve_in_worker_processes_gives_the_same_trajectories(quick_suite, tmp_path):
-    """--jobs 2 runs the precisions in two spawned processes: same (deterministic CPU) results."""
+    """--jobs 2 runs the precisions in two spawned processes, each with its share of the
+    CPU threads. A different thread count changes the order of CPU reductions, so the
+    trajectories agree within FP32's own noise: the spread that a 1e-6 Å displacement
+    (the "fp32 noise" run) gives the serial FP32 trajectory."""
     main(["validate", "nve", "--model", "pet-demo-chgnet", "--quick", "--precisions", "fp32,tf32x3",
           "--jobs", "2", "--out", str(tmp_path), "--device", "cpu"])  # fmt: skip
     parallel, serial = load(tmp_path, "nve")["traces"], load(quick_suite, "nve")["traces"]
+    energy = {name: np.array(trace["e_tot_eV_atom"]) for name, trace in serial.items()}
+    noise = np.abs(energy["fp32 noise"] - energy["fp32"]).max()
     for precision in ("fp32", "tf32x3"):
-        assert parallel[precision]["e_tot_eV_atom"] == serial[precision]["e_tot_eV_atom"]
+        assert np.abs(np.array(parallel[precision]["e_tot_eV_atom"]) - energy[precision]).max() <= noise
 
 
 def test_relax_trajectories_agree_at_the_start(quick_suite):
