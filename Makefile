@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	@touch $@
 
 demo: $(VENV)/.installed
-	$(PY) examples/md_water.py
+	@$(PY) examples/md_water.py
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q tests

@@ -110,7 +110,8 @@ def choose_engine(pet: torch.nn.Module, device: torch.device, low_memory: bool) 
 def choose_engine_for(device: torch.device | str, low_memory: bool = False) -> tuple[str, str]:
     """:func:`choose_engine` for a model the lean engine can evaluate (PET-MAD and the uPETs)."""
     if torch.device(device).type != "cuda":
-        return "lean", "the model on plain tensors: fewer host round trips than metatomic-ase on a CPU"
+        return "lean", ("the model on plain tensors: on a CPU as fast per step as metatomic-ase and about twice as "
+                        "quick to its first step (docs/usage.md)")  # fmt: skip
     if low_memory:
         return "lean", "low_memory=True: recomputed layers, no CUDA graphs"
     return "lean", (f"CUDA graphs for systems up to {GRAPH_ATOMS} atoms (neighbour skin {SMALL_SKIN} Å), "
