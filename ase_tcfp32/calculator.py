@@ -91,10 +91,12 @@ large ones keep the GPU busy anyway (not measured between 6,144 and 17,280 atoms
 graph would only hold its memory."""
 
 SMALL_SKIN, LARGE_SKIN = 2.0, 0.5
-"""``engine="auto"``'s Verlet skin (Å) below and above :data:`GRAPH_ATOMS` atoms: a graph's
-step costs its kernel count, not its pairs, and a wide skin rebuilds the list rarely; a
-large system pays for every candidate pair (17,280 water atoms: 2 Å holds ~2x the pairs of
-the cutoff sphere)."""
+"""``engine="auto"``'s Verlet skin (Å) for systems whose step replays a CUDA graph (up to
+:data:`GRAPH_ATOMS` atoms) and for the others (larger systems, and every system on a CPU):
+a graph's step costs its kernel count, not its pairs, and a wide skin rebuilds the list
+rarely; elsewhere every candidate pair costs work (17,280 water atoms: 2 Å holds ~2x the
+pairs of the cutoff sphere; 192 atoms on a CPU, lean engine, interleaved runs: 0.5 Å a few
+percent faster per MD step than 2 Å with the demo model and PET-S, rebuilds included)."""
 
 
 def choose_engine(pet: torch.nn.Module, device: torch.device, low_memory: bool) -> tuple[str, str]:
@@ -110,10 +112,10 @@ def choose_engine(pet: torch.nn.Module, device: torch.device, low_memory: bool) 
 def choose_engine_for(device: torch.device | str, low_memory: bool = False) -> tuple[str, str]:
     """:func:`choose_engine` for a model the lean engine can evaluate (PET-MAD and the uPETs)."""
     if torch.device(device).type != "cuda":
-        return "lean", ("the model on plain tensors: on a CPU as fast per step as metatomic-ase and about twice as "
-                        "quick to its first step (docs/usage.md)")  # fmt: skip
+        return "lean", (f"the model on plain tensors, neighbour skin {LARGE_SKIN} Å: on a CPU as fast per step as "
+                        "metatomic-ase and about twice as quick to its first step (docs/usage.md)")  # fmt: skip
     if low_memory:
-        return "lean", "low_memory=True: recomputed layers, no CUDA graphs"
+        return "lean", f"low_memory=True: recomputed layers, no CUDA graphs, neighbour skin {LARGE_SKIN} Å"
     return "lean", (f"CUDA graphs for systems up to {GRAPH_ATOMS} atoms (neighbour skin {SMALL_SKIN} Å), "
                     f"plain launches above (skin {LARGE_SKIN} Å)")  # fmt: skip
 
@@ -133,7 +135,8 @@ class TCPETCalculator(Calculator):
         :mod:`ase_tcfp32.tcmodel`): run every Linear layer on CPU through the bit-accurate
         model of that GPU's tensor cores (slow; for previews of small systems).
     :param neighbor_skin: Verlet skin in Å of the cached neighbour lists (default: 2 Å, or
-        with ``engine="auto"`` 2 Å for systems that replay CUDA graphs and 0.5 Å above).
+        with ``engine="auto"`` 2 Å for systems that replay CUDA graphs and 0.5 Å for the
+        others: larger systems, ``low_memory=True``, CPUs).
     :param compile: run PET's tensor code through ``torch.compile`` (dynamic shapes, so
         moving atoms do not recompile; the first call compiles for tens of seconds).
         Fuses elementwise work and cuts kernel launches; the emulated GEMMs stay our
@@ -228,7 +231,10 @@ class TCPETCalculator(Calculator):
         self.engine_used = engine
         skin = SMALL_SKIN if neighbor_skin is None else neighbor_skin
         graph_atoms, large_skin = (sys.maxsize if engine == "graphs" else 0), None
-        if self.engine == "auto" and self.device.type == "cuda" and not low_memory:
+        replays = self.engine == "auto" and self.device.type == "cuda" and not low_memory
+        if self.engine == "auto" and neighbor_skin is None and not replays:
+            skin = LARGE_SKIN  # no graph replays (a CPU, low_memory): every candidate pair costs work
+        if replays:
             graph_atoms, large_skin = GRAPH_ATOMS, (LARGE_SKIN if neighbor_skin is None else neighbor_skin)
         self._lean, self._metatomic = None, None
         if engine == "metatomic":

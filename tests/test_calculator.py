@@ -318,3 +318,14 @@ def test_a_long_first_evaluation_says_what_it_is_doing(tiny_ckpt, water, monkeyp
     quiet.calc = TCPETCalculator(tiny_ckpt, device="cpu", precision="fp32", progress=False)
     quiet.get_forces()
     assert "first evaluation" not in capsys.readouterr().err
+
+
+def test_auto_gives_a_cpu_the_small_skin_and_explicit_skins_win(tiny_ckpt):
+    """No CUDA graph replays on a CPU, so every candidate pair costs work: engine='auto'
+    takes the 0.5 Å skin there; an explicit skin or engine keeps its own."""
+    from ase_tcfp32.calculator import LARGE_SKIN, SMALL_SKIN
+
+    assert TCPETCalculator(tiny_ckpt, device="cpu")._lean.skins == (LARGE_SKIN, LARGE_SKIN)
+    assert TCPETCalculator(tiny_ckpt, device="cpu", neighbor_skin=1.5)._lean.skins == (1.5, 1.5)
+    assert TCPETCalculator(tiny_ckpt, device="cpu", engine="lean")._lean.skins == (SMALL_SKIN, SMALL_SKIN)
+    assert f"skin {LARGE_SKIN} Å" in repr(TCPETCalculator(tiny_ckpt, device="cpu"))
