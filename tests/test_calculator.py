@@ -325,7 +325,7 @@ def test_auto_gives_a_cpu_the_small_skin_and_explicit_skins_win(tiny_ckpt):
     takes the 0.5 Å skin there; an explicit skin or engine keeps its own."""
     from ase_tcfp32.calculator import LARGE_SKIN, SMALL_SKIN
 
-    assert TCPETCalculator(tiny_ckpt, device="cpu")._lean.skins == (LARGE_SKIN, LARGE_SKIN)
-    assert TCPETCalculator(tiny_ckpt, device="cpu", neighbor_skin=1.5)._lean.skins == (1.5, 1.5)
-    assert TCPETCalculator(tiny_ckpt, device="cpu", engine="lean")._lean.skins == (SMALL_SKIN, SMALL_SKIN)
-    assert f"skin {LARGE_SKIN} Å" in repr(TCPETCalculator(tiny_ckpt, device="cpu"))
+    assert TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu")._lean.skins == (LARGE_SKIN, LARGE_SKIN)
+    assert TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", neighbor_skin=1.5)._lean.skins == (1.5, 1.5)
+    assert TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine="lean")._lean.skins == (SMALL_SKIN, SMALL_SKIN)
+    assert f"skin {LARGE_SKIN} Å" in repr(TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu"))
