@@ -129,6 +129,9 @@ def _info(args) -> None:
 
         problem = triton_build_problem()
         print(f"triton {triton.__version__}" + (f": cannot build its GPU launchers here, {problem}" if problem else ""))
+        knobs = getattr(triton, "knobs", None)
+        if hasattr(getattr(knobs, "cache", None), "dir"):
+            print(f"triton kernel cache: {knobs.cache.dir}")
     except ImportError:
         print("triton: not installed (GPU kernels unavailable)")
     devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]

@@ -154,4 +154,5 @@ def test_info_lists_precisions_and_auto(capsys, monkeypatch):
     assert "python bytecode cache: " in out and "PYTHONDONTWRITEBYTECODE" not in out
     assert "auto -> fp32" in out and "tf32x3" in out and "pet-mad-s" in out
     assert "GEMM tuning: on" in out and "autotune.json" in out
+    assert "triton kernel cache: " in out
     assert "attention: torch SDPA" in out  # the CPU's (tensor-core attention is for CUDA)
