@@ -200,8 +200,8 @@ class TCPETCalculator(Calculator):
             _check_emulation(emulate, precision, device)
             self.device, self.precision = torch.device("cpu"), precision
             self.backend = f"tcmodel:{tensor_core(emulate).name}"
-        if compile and self.device.type == "cuda" and triton_build_problem() is not None:
-            raise RuntimeError(f"compile=True needs Triton, which cannot build its GPU launchers here: {triton_build_problem()}")
+        if compile and self.device.type == "cuda" and (problem := triton_build_problem()) is not None:
+            raise RuntimeError(f"compile=True needs Triton, which cannot build its GPU launchers here: {problem}")
         if engine == "graphs" and self.device.type != "cuda":
             raise ValueError(f"engine='graphs' records CUDA graphs and needs a CUDA device, not '{self.device}'")
         self.emulate = emulate
@@ -229,11 +229,10 @@ class TCPETCalculator(Calculator):
         if engine == "auto":
             engine, self.engine_reason = choose_engine(self.pet, self.device, low_memory)
         self.engine_used = engine
-        skin = SMALL_SKIN if neighbor_skin is None else neighbor_skin
-        graph_atoms, large_skin = (sys.maxsize if engine == "graphs" else 0), None
         replays = self.engine == "auto" and self.device.type == "cuda" and not low_memory
-        if self.engine == "auto" and neighbor_skin is None and not replays:
-            skin = LARGE_SKIN  # no graph replays (a CPU, low_memory): every candidate pair costs work
+        pair_bound = self.engine == "auto" and not replays  # a CPU, low_memory: every candidate pair costs work
+        skin = (LARGE_SKIN if pair_bound else SMALL_SKIN) if neighbor_skin is None else neighbor_skin
+        graph_atoms, large_skin = (sys.maxsize if engine == "graphs" else 0), None
         if replays:
             graph_atoms, large_skin = GRAPH_ATOMS, (LARGE_SKIN if neighbor_skin is None else neighbor_skin)
         self._lean, self._metatomic = None, None

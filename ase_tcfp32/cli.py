@@ -125,13 +125,12 @@ def _info(args) -> None:
     try:
         import triton
 
-        from .precision import triton_build_problem
+        from .precision import triton_build_problem, triton_cache_knobs
 
         problem = triton_build_problem()
         print(f"triton {triton.__version__}" + (f": cannot build its GPU launchers here, {problem}" if problem else ""))
-        knobs = getattr(triton, "knobs", None)
-        if hasattr(getattr(knobs, "cache", None), "dir"):
-            print(f"triton kernel cache: {knobs.cache.dir}")
+        if (cache := triton_cache_knobs()) is not None:
+            print(f"triton kernel cache: {cache.dir}")
     except ImportError:
         print("triton: not installed (GPU kernels unavailable)")
     devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]

@@ -95,11 +95,12 @@ def triton_build_problem() -> str | None:
         import triton
     except ImportError:
         return "Triton is not installed"
-    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4 (older ones: no cache check)
-    if hasattr(getattr(knobs, "cache", None), "dir"):
-        cache = _triton_cache_problem(knobs)
-        if cache is not None or getattr(knobs.build, "impl", None) is not None:  # impl: the user's own build function
-            return cache
+    cache = triton_cache_knobs()
+    if cache is not None and (problem := _triton_cache_problem(cache)) is not None:
+        return problem
+    build = getattr(getattr(triton, "knobs", None), "build", None)  # Triton >= 3.4
+    if getattr(build, "impl", None) is not None:
+        return None  # the user's own build function
     compiler = os.environ.get("CC")
     if compiler is not None and shutil.which(compiler) is None:
         return f"CC={compiler!r} is not an executable"
@@ -124,9 +125,20 @@ def _writable(folder: str) -> bool:
         return False
 
 
-def _triton_cache_problem(knobs) -> str | None:
-    """Triton's cache folder made writable (see :func:`triton_build_problem`), or why not."""
-    folder = knobs.cache.dir
+def triton_cache_knobs():
+    """``triton.knobs.cache``, whose ``dir`` is the folder Triton keeps compiled kernels in
+    (Triton >= 3.4; None before, or without Triton)."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    cache = getattr(getattr(triton, "knobs", None), "cache", None)
+    return cache if hasattr(cache, "dir") else None
+
+
+def _triton_cache_problem(cache) -> str | None:
+    """Triton's ``cache`` folder made writable (see :func:`triton_build_problem`), or why not."""
+    folder = cache.dir
     if _writable(folder):
         return None
     fallback = os.path.join(tempfile.gettempdir(), f"triton-cache-{os.getuid()}")
@@ -134,7 +146,7 @@ def _triton_cache_problem(knobs) -> str | None:
         return f"neither Triton's cache folder {folder} nor {fallback} can be written"
     warnings.warn(f"Triton's cache folder {folder} cannot be written: compiled GPU kernels go to {fallback} "
                   "(set TRITON_CACHE_DIR to a lasting folder to keep them across reboots)", stacklevel=2)  # fmt: skip
-    os.environ["TRITON_CACHE_DIR"] = knobs.cache.dir = fallback  # this process and the compiler's workers
+    os.environ["TRITON_CACHE_DIR"] = cache.dir = fallback  # this process and the compiler's workers
     return None
 
 
@@ -157,10 +169,10 @@ def support(precision: str, device: torch.device | str) -> PrecisionSupport:
             f"compute capability {cc[0]}.{cc[1]} has no TF32/BF16 tensor cores (needs 8.0+)",
         )
     built = precision != "bf16x9" or cc not in BLACKWELL_BF16X9  # by Triton: everything but cuBLAS's BF16x9
-    if built and triton_build_problem() is not None:
+    if built and (problem := triton_build_problem()) is not None:
         return PrecisionSupport(
             precision, str(device), False, "none",
-            f"our GPU kernels need Triton to build its launchers, which it cannot here: {triton_build_problem()}",
+            f"our GPU kernels need Triton to build its launchers, which it cannot here: {problem}",
         )
     if precision == "fp16x3":
         if cc != HOPPER:
