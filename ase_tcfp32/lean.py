@@ -12,7 +12,10 @@ largest neighbour count) is read back to the host. Here instead:
   and the [atoms, J] neighbour table with J the largest neighbour count plus :data:`MARGIN`,
   checked after the step and widened when an atom outgrows it (J is the length of a
   tensor, not a Python number, so that ``torch.compile`` does not recompile for a new J);
-- energy, forces and the strain derivative (stress) from one backward pass;
+- energy, forces and the strain derivative (stress) from one backward pass: the energy
+  depends on positions only through the pair vectors v, so the derivative of structure s's
+  energy by its strain is the sum over its pairs of v ⊗ dE/dv (no per-pair cell products
+  in the graph: with many structures per call those were ~10% of the step);
 - for systems of up to ``graph_atoms`` atoms the step is recorded once per (capacity, J)
   as a CUDA graph and replayed: no kernel launches from Python while atoms move.
 
@@ -46,6 +49,11 @@ grow by that much before a step is redone with a wider table. Every column costs
 the edge work (GEMMs and attention): metatrain's own table has no margin."""
 
 
+VIRIAL_BINS = 256
+"""Partial sums per structure of the pairs' virial terms: pair k adds into bin k mod 256 of its
+structure, so that millions of atomic additions do not queue on a structure's nine numbers."""
+
+
 class NeighbourListError(RuntimeError):
     """vesin could not compute the neighbour list (on this device)."""
 
@@ -55,7 +63,9 @@ class Pairs(NamedTuple):
 
     centers: torch.Tensor  # [E] int64 (padding: 0)
     neighbors: torch.Tensor  # [E] int64
-    shifts: torch.Tensor  # [E, 3] cell shifts (integers, in the model's dtype on its device)
+    shifts: torch.Tensor  # [E, 3] int64 cell shifts
+    offsets: torch.Tensor  # [E, 3] shifts times the pair's cell (Å; float64 here, the model's dtype in use)
+    bins: torch.Tensor  # [E] int64 where the pair's term of its structure's virial is summed (see VIRIAL_BINS)
     reverse: torch.Tensor  # [E] int64 index of the pair j -> i with the opposite shift
     valid: torch.Tensor  # [E] bool, False for the padding
     first: torch.Tensor  # [N + 1] int64: atom a's pairs are first[a] .. first[a + 1] - 1
@@ -90,7 +100,8 @@ def build_pairs(positions: torch.Tensor, cells: torch.Tensor, pbcs: np.ndarray, 
     ``positions`` [N, 3] of structures of ``sizes`` atoms one after another, their
     ``cells`` [S, 3, 3] and ``pbcs`` [S, 3] (on CPU or CUDA), with atom indices into the
     whole batch, padded to ``capacity``; when there are more pairs than that, padded to
-    10% more, in multiples of 1024, so that the next lists fit too."""
+    10% more, in multiples of 1024, so that the next lists fit too. The padding pairs are
+    atom 0 to itself with no shift."""
     from vesin import NeighborList
 
     device, n = positions.device, len(positions)
@@ -102,10 +113,13 @@ def build_pairs(positions: torch.Tensor, cells: torch.Tensor, pbcs: np.ndarray, 
             )
         except RuntimeError as error:
             raise NeighbourListError(str(error)) from error
-        found.append((i.to(device, torch.int64) + int(start), j.to(device, torch.int64) + int(start), s.to(device, torch.int64)))
-    i, j, shifts = (torch.cat(parts) for parts in zip(*found))
+        s = s.to(device, torch.int64)
+        structure = torch.full((len(i),), len(found), dtype=torch.int64, device=device)
+        found.append((i.to(device, torch.int64) + int(start), j.to(device, torch.int64) + int(start), s,
+                      s.to(cell.dtype) @ cell, structure))  # fmt: skip
+    i, j, shifts, offsets, structure = (torch.cat(parts) for parts in zip(*found))
     order = torch.argsort(i, stable=True)
-    i, j, shifts = i[order], j[order], shifts[order]
+    i, j, shifts, offsets, structure = i[order], j[order], shifts[order], offsets[order], structure[order]
     count = len(i)
 
     # the reverse of (i, j, S) is (j, i, -S): match integer keys
@@ -131,6 +145,8 @@ def build_pairs(positions: torch.Tensor, cells: torch.Tensor, pbcs: np.ndarray, 
         centers=torch.cat([i, i.new_zeros(pad)]),
         neighbors=torch.cat([j, j.new_zeros(pad)]),
         shifts=torch.cat([shifts, shifts.new_zeros(pad, 3)]),
+        offsets=torch.cat([offsets, offsets.new_zeros(pad, 3)]),
+        bins=torch.cat([structure, structure.new_zeros(pad)]) * VIRIAL_BINS + torch.arange(capacity, device=device) % VIRIAL_BINS,
         reverse=torch.cat([reverse, torch.arange(count, capacity, device=device)]),
         valid=torch.arange(capacity, device=device) < count,
         first=torch.cat([per_atom.new_zeros(1), torch.cumsum(per_atom, 0)]),
@@ -261,7 +277,7 @@ class LeanPET:
             warnings.warn(f"vesin could not build the neighbour list on {self._nl_device} ({error}); using the CPU", stacklevel=4)
             self._nl_device = torch.device("cpu")
             return self._update_pairs(batch)
-        pairs = pairs._replace(shifts=pairs.shifts.to(self.dtype))
+        pairs = pairs._replace(offsets=pairs.offsets.to(self.dtype))
         pairs = Pairs(*(t.to(self.device) if isinstance(t, torch.Tensor) else t for t in pairs))
         if self.pairs is not None and self.pairs.valid.numel() == pairs.valid.numel() and self._graph is not None:
             for static, new in zip(self.pairs[:-1], pairs[:-1]):
@@ -283,29 +299,21 @@ class LeanPET:
 
     # ----- one evaluation on tensors ----------------------------------------------------
 
-    def neighbour_table(self, positions: torch.Tensor, strain: torch.Tensor, cells: torch.Tensor, numbers: torch.Tensor,
-                        system: torch.Tensor, columns: torch.Tensor) -> tuple:  # fmt: skip
-        """PET's input tensors (its ``batch_data``: [N, J] tables of the kept pairs) and the
-        largest neighbour count (0-d tensor), for the positions [N, 3] of atoms in
-        structures ``system`` [N] with cells [S, 3, 3] (Å), each structure deformed by its
-        ``(1 + strain)`` [S, 3, 3], through the current pairs, into a table of J =
-        ``len(columns)`` columns."""
-        backend, pairs, width = self.backend, self.pairs, columns.shape[0]
-        n, capacity = positions.shape[0], pairs.valid.numel()
-        deformation = torch.eye(3, device=positions.device, dtype=positions.dtype) + strain
-        cells = cells @ deformation
-        if cells.shape[0] == 1:  # one structure: one matrix for every atom and pair
-            positions = positions @ deformation[0]
-        else:
-            positions = torch.bmm(positions[:, None, :], deformation.index_select(0, system)).squeeze(1)
+    def pair_vectors(self, positions: torch.Tensor) -> torch.Tensor:
+        """The vectors [capacity, 3] (Å) from each pair's centre to its neighbour's image,
+        for the positions [N, 3] (zero for the padding)."""
+        pairs = self.pairs
         # index_select, not positions[index]: its backward adds atomically, where advanced
         # indexing sorts the indices (measured 10x slower on H200 with ~400 pairs per atom)
-        vectors = positions.index_select(0, pairs.neighbors) - positions.index_select(0, pairs.centers)
-        if cells.shape[0] == 1:
-            vectors = vectors + pairs.shifts @ cells[0]
-        else:
-            pair_cells = cells.index_select(0, system.index_select(0, pairs.centers))
-            vectors = vectors + torch.bmm(pairs.shifts[:, None, :], pair_cells).squeeze(1)
+        return positions.index_select(0, pairs.neighbors) - positions.index_select(0, pairs.centers) + pairs.offsets
+
+    def neighbour_table(self, vectors: torch.Tensor, numbers: torch.Tensor, columns: torch.Tensor) -> tuple:
+        """PET's input tensors (its ``batch_data``: [N, J] tables of the kept pairs) and the
+        largest neighbour count (0-d tensor), for the current pairs' ``vectors`` [capacity, 3]
+        (:meth:`pair_vectors`) and the atomic ``numbers`` [N], into a table of J =
+        ``len(columns)`` columns."""
+        backend, pairs, width = self.backend, self.pairs, columns.shape[0]
+        n, capacity = numbers.shape[0], pairs.valid.numel()
         vectors = torch.where(pairs.valid[:, None], vectors, self._far)
         distances = torch.norm(vectors, dim=-1) + 1e-15
 
@@ -354,12 +362,13 @@ class LeanPET:
         }
         return batch, counts.max()
 
-    def energy_terms(self, positions: torch.Tensor, strain: torch.Tensor, cells: torch.Tensor, numbers: torch.Tensor,
+    def energy_terms(self, vectors: torch.Tensor, cells: torch.Tensor, numbers: torch.Tensor,
                      system: torch.Tensor) -> tuple:  # fmt: skip
         """Per-atom energies [N] (eV, float64: PET's FP32 output, scaled and offset in
-        float64) and the largest neighbour count (0-d tensor); see :meth:`neighbour_table`
-        for the arguments."""
-        batch, most = self.neighbour_table(positions, strain, cells, numbers, system, self.columns)
+        float64) and the largest neighbour count (0-d tensor), for the pair ``vectors``
+        (:meth:`pair_vectors`) of atoms of atomic ``numbers`` [N] in structures ``system``
+        [N] of ``cells`` [S, 3, 3]."""
+        batch, most = self.neighbour_table(vectors, numbers, self.columns)
         nodes, edges = self.backend.calculate_features(batch)
         predictions = self.backend.predict(nodes, edges, batch, cells, system, ["energy"])[0]["energy"][0][:, 0]
         return predictions.double() * self.scale[numbers] + self.offset[numbers], most
@@ -370,15 +379,16 @@ class LeanPET:
         derivative [S, 3, 3]) on the device, as tensors; the structures are independent, so
         one backward pass of the summed energy gives every structure's gradients."""
         positions = positions.detach().requires_grad_(True)
-        strain = torch.zeros_like(cells).requires_grad_(stress)
         with torch.enable_grad():
-            energies, most = self.energy_terms(positions, strain, cells, numbers, system)
-            inputs = [positions, strain] if stress else [positions]
-            grads = torch.autograd.grad(energies.sum(), inputs)
+            vectors = self.pair_vectors(positions)
+            energies, most = self.energy_terms(vectors, cells, numbers, system)
+            grads = torch.autograd.grad(energies.sum(), [positions, vectors] if stress else [positions])
         totals = torch.zeros(cells.shape[0], dtype=energies.dtype, device=energies.device).index_add_(0, system, energies)
         out = {"energy": totals.detach(), "energies": energies.detach(), "forces": -grads[0], "most": most}
-        if stress:
-            out["virial"] = grads[1]
+        if stress:  # dE/d(strain) of structure s: its pairs' v ⊗ dE/dv, summed (see the module doc)
+            terms = (vectors.detach()[:, :, None] * grads[1][:, None, :]).reshape(-1, 9)
+            bins = terms.new_zeros(cells.shape[0] * VIRIAL_BINS, 9).index_add_(0, self.pairs.bins, terms)
+            out["virial"] = bins.reshape(cells.shape[0], VIRIAL_BINS, 3, 3).sum(1)
         return out
 
     # ----- ASE-facing -------------------------------------------------------------------
@@ -397,7 +407,7 @@ class LeanPET:
         if self.width == 0:  # first call: size the table from the neighbour counts
             self._set_width(8)  # not 1: the compiler would specialise a length of 1
             with torch.enable_grad():  # the step's grad mode: with compile=True, no second compilation
-                most = int(self.neighbour_table(positions, torch.zeros_like(cells), cells, numbers, system, self.columns)[1])
+                most = int(self.neighbour_table(self.pair_vectors(positions), numbers, self.columns)[1])
             self._set_width(most + MARGIN)
         out = self._evaluate(positions, cells, numbers, system, stress)
         most = int(out["most"])

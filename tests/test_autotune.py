@@ -171,3 +171,31 @@ def test_a_tuned_entry_is_keyed_by_gpu_software_and_shape(monkeypatch):
     for kernel, n, k in [("fp16x3", 256, 768), ("fp16x3", 768, 256), ("triton tf32x3", 256, 768)]:
         autotune.tuned_gemm(kernel, n, k, torch.device("cuda"), CANDIDATES, launcher=None)
     assert len(keys) == 3
+
+
+def test_tritons_installation_hash_is_read_back_and_never_taken_from_another_installation(tmp_path, monkeypatch):
+    """The hash Triton computes of its own files at the first kernel of a process (0.44 s on
+    the H200's host) is kept in the cache folder under a fingerprint of those files: a second
+    process reads the kept value, a value kept for other files is never used, and a damaged
+    file is replaced by the computed one."""
+    cache = pytest.importorskip("triton.runtime.cache")
+    from ase_tcfp32.kernels.context import remember_triton_key
+
+    monkeypatch.setenv("ASE_TCFP32_CACHE", str(tmp_path))
+    monkeypatch.setattr(cache, "triton_key", cache.triton_key)  # restored after the test
+    computed = cache.triton_key()
+    path = tmp_path / "triton_key.json"
+
+    def process(content):  # what a new process finds and what its Triton then uses
+        if content is not None:
+            path.write_text(content)
+        monkeypatch.setattr(cache, "triton_key", computed_function)
+        remember_triton_key.__wrapped__()
+        return cache.triton_key()
+
+    computed_function = cache.triton_key
+    assert process("not json") == computed  # damaged: computed, written again
+    (fingerprint,) = json.loads(path.read_text())
+    assert process(json.dumps({fingerprint: "kept"})) == "kept"  # read back, not recomputed
+    assert process(json.dumps({"other files": "kept"})) == computed  # another installation's
+    assert json.loads(path.read_text()) == {"other files": "kept", fingerprint: computed}
