@@ -89,7 +89,8 @@ def run(model: str, structure, *, beads: int, steps: int, warmup: int, batch_siz
             time.sleep(0.002)
         intervals = np.diff(stamps[warmup:])
         return {"ms_per_step": 1000 * float(np.median(intervals)), "first_step_s": stamps[0] - start if stamps else None,
-                "steps_timed": len(intervals), "ms_per_step_mean": 1000 * float(np.mean(intervals))}  # fmt: skip
+                "steps_timed": len(intervals), "ms_per_step_mean": 1000 * float(np.mean(intervals)),
+                "step_ms": [round(1000 * float(t), 2) for t in intervals]}  # fmt: skip
     finally:
         for process in started:
             if process.poll() is None:
