@@ -94,9 +94,44 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+ALL_PAIRS_LIMIT = 1 << 22
+"""Largest atoms² x cell images of a 3D-periodic structure whose pairs :func:`all_pairs`
+finds on a GPU (every atom pair and image compared at once: a few kernels); larger or not
+fully periodic structures, and every structure on a CPU (where vesin's cell lists are
+faster: 10 against 32 ms for 192 water atoms on the CI machine), go to vesin. On an H200
+vesin costs ~1.3 ms per structure whatever its size, which made a new list for 32 beads of
+192 atoms cost ~60 ms, most of a step, every few path-integral steps."""
+
+
+def images_needed(cell: torch.Tensor, cutoff: float) -> list[int]:
+    """How many cell images each way, per cell vector, can hold a pair within ``cutoff``
+    (Å) of atoms wrapped into the ``cell`` [3, 3] (rows: cell vectors): a vector's
+    fractional coordinate k is at most its length times |column k of the inverse cell|,
+    and wrapped atoms differ by less than 1 in each."""
+    reciprocal = torch.linalg.norm(torch.linalg.inv(cell), dim=0)
+    return [int(cutoff * float(length)) + 1 for length in reciprocal]
+
+
+def all_pairs(positions: torch.Tensor, cell: torch.Tensor, cutoff: float, reach: list[int]) -> tuple:
+    """The full list (i, j, shift S) of pairs with ``|r_j - r_i + S @ cell| < cutoff`` (Å) of
+    one 3D-periodic structure, as vesin gives it, from all pairs of its atoms (``positions``
+    [n, 3], float64) and every image up to ``reach`` (:func:`images_needed`) each way."""
+    fractional = positions @ torch.linalg.inv(cell)
+    whole = torch.floor(fractional)  # r = wrapped + whole @ cell
+    wrapped = (fractional - whole) @ cell
+    shifts = torch.cartesian_prod(*[torch.arange(-r, r + 1, device=positions.device) for r in reach])  # [I, 3]
+    vectors = wrapped[None, :, None] - wrapped[:, None, None] + (shifts.to(cell.dtype) @ cell)[None, None]  # [i, j, I, 3]
+    close = (vectors**2).sum(-1) < cutoff**2
+    itself = torch.eye(len(positions), dtype=torch.bool, device=positions.device)[:, :, None] & (shifts == 0).all(1)
+    i, j, image = (close & ~itself).nonzero(as_tuple=True)
+    whole = whole.long()
+    return i, j, shifts[image] + whole[i] - whole[j]  # the shift between the unwrapped positions
+
+
 def build_pairs(positions: torch.Tensor, cells: torch.Tensor, pbcs: np.ndarray, sizes: list[int], cutoff: float,
                 capacity: int) -> Pairs:  # fmt: skip
-    """Pairs within ``cutoff`` (Å) from vesin, structure by structure, for the float64
+    """Pairs within ``cutoff`` (Å) from :func:`all_pairs` (small 3D-periodic structures) or
+    vesin, structure by structure, for the float64
     ``positions`` [N, 3] of structures of ``sizes`` atoms one after another, their
     ``cells`` [S, 3, 3] and ``pbcs`` [S, 3] (on CPU or CUDA), with atom indices into the
     whole batch, padded to ``capacity``; when there are more pairs than that, padded to
@@ -107,12 +142,16 @@ def build_pairs(positions: torch.Tensor, cells: torch.Tensor, pbcs: np.ndarray, 
     device, n = positions.device, len(positions)
     found = []
     for start, size, cell, pbc in zip(np.cumsum([0, *sizes[:-1]]), sizes, cells, pbcs):
-        try:
-            i, j, s = NeighborList(cutoff=cutoff, full_list=True).compute(
-                points=positions[start : start + size], box=cell, periodic=pbc, quantities="ijS", copy=True
-            )
-        except RuntimeError as error:
-            raise NeighbourListError(str(error)) from error
+        reach = images_needed(cell, cutoff) if positions.is_cuda and pbc.all() and abs(float(torch.det(cell))) > 1e-6 else None
+        if reach is not None and size**2 * np.prod([2 * r + 1 for r in reach]) <= ALL_PAIRS_LIMIT:
+            i, j, s = all_pairs(positions[start : start + size], cell, cutoff, reach)
+        else:
+            try:
+                i, j, s = NeighborList(cutoff=cutoff, full_list=True).compute(
+                    points=positions[start : start + size], box=cell, periodic=pbc, quantities="ijS", copy=True
+                )
+            except RuntimeError as error:
+                raise NeighbourListError(str(error)) from error
         s = s.to(device, torch.int64)
         structure = torch.full((len(i),), len(found), dtype=torch.int64, device=device)
         found.append((i.to(device, torch.int64) + int(start), j.to(device, torch.int64) + int(start), s,

@@ -191,3 +191,26 @@ def test_a_batch_of_different_structures(tiny_ckpt, water, pt_bulk, ethanol):
         broken = water.copy()
         broken.positions[0, 0] = np.nan
         calc.evaluate([water, broken])
+
+
+def test_all_pairs_of_small_cells_are_vesins(water, pt_bulk):
+    """The GPU's list for small periodic cells (every atom pair and image at once) holds
+    exactly vesin's pairs and shifts: atoms outside the cell, a triclinic cell, and a 3.9 Å
+    cell whose atoms see their own images up to 3 cells away."""
+    from vesin import NeighborList
+
+    from ase_tcfp32.lean import all_pairs, images_needed
+
+    unwrapped = water.copy()
+    unwrapped.positions += [7.3, -13.0, 30.0]
+    unwrapped.rattle(0.3, seed=1)
+    triclinic = water.copy()
+    triclinic.set_cell(water.cell.array + [[0, 0, 0], [2.5, 0, 0], [1.0, 1.5, 0]], scale_atoms=False)
+    for atoms, cutoff, reach in [(unwrapped, 10.0, [2, 2, 2]), (triclinic, 8.5, [2, 2, 2]), (pt_bulk, 10.0, [3, 3, 3])]:
+        positions, cell = torch.tensor(atoms.positions), torch.tensor(atoms.cell.array)
+        assert images_needed(cell, cutoff) == reach
+        ours = all_pairs(positions, cell, cutoff, reach)
+        theirs = NeighborList(cutoff=cutoff, full_list=True).compute(points=positions, box=cell, periodic=True,
+                                                                     quantities="ijS", copy=True)  # fmt: skip
+        listed = [sorted(zip(i.tolist(), j.tolist(), map(tuple, s.tolist()))) for i, j, s in (ours, theirs)]
+        assert listed[0] == listed[1] and len(listed[0]) > len(atoms)
