@@ -103,24 +103,30 @@ vesin costs ~1.3 ms per structure whatever its size, which made a new list for 3
 192 atoms cost ~60 ms, most of a step, every few path-integral steps."""
 
 
-def images_needed(cell: torch.Tensor, cutoff: float) -> list[int]:
+def images_needed(cell: np.ndarray, cutoff: float) -> list[int]:
     """How many cell images each way, per cell vector, can hold a pair within ``cutoff``
     (Å) of atoms wrapped into the ``cell`` [3, 3] (rows: cell vectors): a vector's
     fractional coordinate k is at most its length times |column k of the inverse cell|,
     and wrapped atoms differ by less than 1 in each."""
-    reciprocal = torch.linalg.norm(torch.linalg.inv(cell), dim=0)
-    return [int(cutoff * float(length)) + 1 for length in reciprocal]
+    reciprocal = np.linalg.norm(np.linalg.inv(cell), axis=0)
+    return [int(cutoff * length) + 1 for length in reciprocal]
 
 
-def all_pairs(positions: torch.Tensor, cell: torch.Tensor, cutoff: float, reach: list[int]) -> tuple:
+def all_pairs(positions: torch.Tensor, cell: np.ndarray, cutoff: float) -> tuple:
     """The full list (i, j, shift S) of pairs with ``|r_j - r_i + S @ cell| < cutoff`` (Å) of
     one 3D-periodic structure, as vesin gives it, from all pairs of its atoms (``positions``
-    [n, 3], float64) and every image up to ``reach`` (:func:`images_needed`) each way."""
-    fractional = positions @ torch.linalg.inv(cell)
+    [n, 3], float64, on any device) and every image that can be in range
+    (:func:`images_needed`); the cell's algebra is done on the host."""
+    reach = images_needed(cell, cutoff)
+    grid = np.stack(np.meshgrid(*[np.arange(-r, r + 1) for r in reach], indexing="ij"), -1).reshape(-1, 3)
+    device, dtype = positions.device, positions.dtype
+    shifts = torch.tensor(grid, device=device)  # [I, 3]
+    inverse, images = (torch.tensor(a, dtype=dtype, device=device) for a in (np.linalg.inv(cell), grid @ cell))
+    cell = torch.tensor(cell, dtype=dtype, device=device)
+    fractional = positions @ inverse
     whole = torch.floor(fractional)  # r = wrapped + whole @ cell
     wrapped = (fractional - whole) @ cell
-    shifts = torch.cartesian_prod(*[torch.arange(-r, r + 1, device=positions.device) for r in reach])  # [I, 3]
-    vectors = wrapped[None, :, None] - wrapped[:, None, None] + (shifts.to(cell.dtype) @ cell)[None, None]  # [i, j, I, 3]
+    vectors = wrapped[None, :, None] - wrapped[:, None, None] + images[None, None]  # [i, j, I, 3]
     close = (vectors**2).sum(-1) < cutoff**2
     itself = torch.eye(len(positions), dtype=torch.bool, device=positions.device)[:, :, None] & (shifts == 0).all(1)
     i, j, image = (close & ~itself).nonzero(as_tuple=True)
@@ -141,10 +147,10 @@ def build_pairs(positions: torch.Tensor, cells: torch.Tensor, pbcs: np.ndarray, 
 
     device, n = positions.device, len(positions)
     found = []
-    for start, size, cell, pbc in zip(np.cumsum([0, *sizes[:-1]]), sizes, cells, pbcs):
-        reach = images_needed(cell, cutoff) if positions.is_cuda and pbc.all() and abs(float(torch.det(cell))) > 1e-6 else None
-        if reach is not None and size**2 * np.prod([2 * r + 1 for r in reach]) <= ALL_PAIRS_LIMIT:
-            i, j, s = all_pairs(positions[start : start + size], cell, cutoff, reach)
+    for start, size, cell, pbc, host_cell in zip(np.cumsum([0, *sizes[:-1]]), sizes, cells, pbcs, cells.cpu().numpy()):
+        small = positions.is_cuda and pbc.all() and abs(np.linalg.det(host_cell)) > 1e-6
+        if small and size**2 * np.prod([2 * r + 1 for r in images_needed(host_cell, cutoff)]) <= ALL_PAIRS_LIMIT:
+            i, j, s = all_pairs(positions[start : start + size], host_cell, cutoff)
         else:
             try:
                 i, j, s = NeighborList(cutoff=cutoff, full_list=True).compute(
