@@ -20,7 +20,7 @@ QUICK = {
     "single-point": dict(molecules=(8,)),
     "smoothness": dict(points=24, size=(2, 2, 3)),
     "nve": dict(ps=0.05, molecules=8, every=5),
-    "relax": dict(size=(3, 3, 4), repeats=1, max_steps=40, fmax=0.05),
+    "relax": dict(size=(3, 3, 4), repeats=1, max_steps=150, fmax=0.05),
     "speed": dict(molecules=(8,), warmup=1, repeats=3),
 }
 """Small settings for CI and laptops: the same tests on systems of tens of atoms."""
