@@ -5,7 +5,7 @@ The metatomic path rebuilds everything every step: ASE-side neighbour lists, met
 largest neighbour count) is read back to the host. Here instead:
 
 - the candidate pairs within ``cutoff + skin`` come from vesin on the model's device
-  and are kept until an atom has moved more than ``skin / 2`` (a Verlet list), in a
+  (on a GPU, small periodic cells from :func:`all_pairs`) and are kept until an atom has moved more than ``skin / 2`` (a Verlet list), in a
   buffer of fixed capacity sorted by centre atom;
 - each step, on the device only: edge vectors, PET's adaptive per-atom cutoffs (metatrain's
   solver; on CUDA its iterations run in one kernel of ours, :mod:`ase_tcfp32.kernels.cutoffs`),
