@@ -658,6 +658,31 @@ def test_a_batch_of_32_copies_gives_what_32_single_calls_give(water192):
         assert np.abs(result["stress"] - single["stress"]).max() < 1e-6
 
 
+def test_the_gpus_pair_list_of_a_batch_is_vesins(water192, pt_bulk):
+    """On the GPU small periodic cells get their pairs from lean.all_pairs, on the CPU from
+    vesin: the same pairs, shifts, offsets and structures of pairs for a batch of
+    beads, a triclinic cell, a cell whose atoms see their own images and a molecule."""
+    from ase.build import molecule
+    from helpers import beads_of
+
+    from ase_tcfp32.lean import VIRIAL_BINS, Structures, build_pairs
+
+    triclinic = water192.copy()
+    triclinic.set_cell(water192.cell.array + [[0, 0, 0], [3.0, 0, 0], [1.0, 2.0, 0]], scale_atoms=False)
+    structures = [*beads_of(water192, 8), triclinic, pt_bulk, molecule("CH3CH2OH")]
+    batch = Structures.of(structures)
+    lists = []
+    for device in ("cpu", "cuda"):
+        positions, cells = (torch.tensor(a, dtype=torch.float64, device=device) for a in (batch.positions, batch.cells))
+        pairs = build_pairs(positions, cells, batch.pbcs, batch.sizes, 10.0, 0)
+        structure = pairs.bins // VIRIAL_BINS
+        key = torch.cat([pairs.centers[:, None], pairs.neighbors[:, None], pairs.shifts, structure[:, None]], 1)[: pairs.count]
+        order = torch.from_numpy(np.lexsort(key.cpu().numpy().T[::-1]))
+        lists.append([key.cpu()[order], pairs.offsets.cpu()[: pairs.count][order], pairs.first.cpu()])
+    assert torch.equal(lists[0][0], lists[1][0]) and torch.equal(lists[0][2], lists[1][2])
+    assert torch.allclose(lists[0][1], lists[1][1], rtol=0, atol=1e-12)
+
+
 def test_out_of_memory_says_what_fits_and_the_calculator_recovers():
     """A system too large for the memory it may use: torch.OutOfMemoryError with the
     estimate and the low_memory hint; then a small system works on the same calculator."""
