@@ -134,30 +134,36 @@ def all_pairs(positions: torch.Tensor, cell: np.ndarray, cutoff: float) -> tuple
     return i, j, shifts[image] + whole[i] - whole[j]  # the shift between the unwrapped positions
 
 
-def build_pairs(positions: torch.Tensor, cells: torch.Tensor, pbcs: np.ndarray, sizes: list[int], cutoff: float,
-                capacity: int) -> Pairs:  # fmt: skip
-    """Pairs within ``cutoff`` (Å) from :func:`all_pairs` (small 3D-periodic structures) or
-    vesin, structure by structure, for the float64
-    ``positions`` [N, 3] of structures of ``sizes`` atoms one after another, their
-    ``cells`` [S, 3, 3] and ``pbcs`` [S, 3] (on CPU or CUDA), with atom indices into the
-    whole batch, padded to ``capacity``; when there are more pairs than that, padded to
-    10% more, in multiples of 1024, so that the next lists fit too. The padding pairs are
-    atom 0 to itself with no shift."""
+def structure_pairs(positions: torch.Tensor, cell: torch.Tensor, host_cell: np.ndarray, pbc: np.ndarray,
+                    cutoff: float) -> tuple:  # fmt: skip
+    """The full pair list (i, j, S) within ``cutoff`` (Å) of one structure (float64
+    ``positions`` [n, 3] and ``cell`` [3, 3] on CPU or CUDA, the same cell on the host,
+    periodicity ``pbc`` [3]): :func:`all_pairs` for a small 3D-periodic cell on a GPU
+    (:data:`ALL_PAIRS_LIMIT`), vesin otherwise."""
     from vesin import NeighborList
 
+    if positions.is_cuda and pbc.all() and abs(np.linalg.det(host_cell)) > 1e-6:
+        if len(positions) ** 2 * np.prod([2 * r + 1 for r in images_needed(host_cell, cutoff)]) <= ALL_PAIRS_LIMIT:
+            return all_pairs(positions, host_cell, cutoff)
+    try:
+        return NeighborList(cutoff=cutoff, full_list=True).compute(points=positions, box=cell, periodic=pbc,
+                                                                   quantities="ijS", copy=True)  # fmt: skip
+    except RuntimeError as error:
+        raise NeighbourListError(str(error)) from error
+
+
+def build_pairs(positions: torch.Tensor, cells: torch.Tensor, pbcs: np.ndarray, sizes: list[int], cutoff: float,
+                capacity: int) -> Pairs:  # fmt: skip
+    """Pairs within ``cutoff`` (Å) (:func:`structure_pairs`), structure by structure, for
+    the float64 ``positions`` [N, 3] of structures of ``sizes`` atoms one after another,
+    their ``cells`` [S, 3, 3] and ``pbcs`` [S, 3] (on CPU or CUDA), with atom indices into
+    the whole batch, padded to ``capacity``; when there are more pairs than that, padded to
+    10% more, in multiples of 1024, so that the next lists fit too. The padding pairs are
+    atom 0 to itself with no shift."""
     device, n = positions.device, len(positions)
     found = []
     for start, size, cell, pbc, host_cell in zip(np.cumsum([0, *sizes[:-1]]), sizes, cells, pbcs, cells.cpu().numpy()):
-        small = positions.is_cuda and pbc.all() and abs(np.linalg.det(host_cell)) > 1e-6
-        if small and size**2 * np.prod([2 * r + 1 for r in images_needed(host_cell, cutoff)]) <= ALL_PAIRS_LIMIT:
-            i, j, s = all_pairs(positions[start : start + size], host_cell, cutoff)
-        else:
-            try:
-                i, j, s = NeighborList(cutoff=cutoff, full_list=True).compute(
-                    points=positions[start : start + size], box=cell, periodic=pbc, quantities="ijS", copy=True
-                )
-            except RuntimeError as error:
-                raise NeighbourListError(str(error)) from error
+        i, j, s = structure_pairs(positions[start : start + size], cell, host_cell, pbc, cutoff)
         s = s.to(device, torch.int64)
         structure = torch.full((len(i),), len(found), dtype=torch.int64, device=device)
         found.append((i.to(device, torch.int64) + int(start), j.to(device, torch.int64) + int(start), s,
