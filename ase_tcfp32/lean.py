@@ -4,9 +4,10 @@ The metatomic path rebuilds everything every step: ASE-side neighbour lists, met
 ``System`` and ``TensorMap`` objects, and metatrain's neighbour table, whose width (the
 largest neighbour count) is read back to the host. Here instead:
 
-- the candidate pairs within ``cutoff + skin`` come from vesin on the model's device
-  (on a GPU, small periodic cells from :func:`all_pairs`) and are kept until an atom has moved more than ``skin / 2`` (a Verlet list), in a
-  buffer of fixed capacity sorted by centre atom;
+- the candidate pairs within ``cutoff + skin`` come from vesin on the model's device (on
+  a GPU, those of small periodic cells from :func:`all_pairs`) and are kept until an atom
+  has moved more than ``skin / 2`` (a Verlet list), in a buffer of fixed capacity sorted
+  by centre atom;
 - each step, on the device only: edge vectors, PET's adaptive per-atom cutoffs (metatrain's
   solver; on CUDA its iterations run in one kernel of ours, :mod:`ase_tcfp32.kernels.cutoffs`),
   and the [atoms, J] neighbour table with J the largest neighbour count plus :data:`MARGIN`,
@@ -99,8 +100,8 @@ ALL_PAIRS_LIMIT = 1 << 22
 finds on a GPU (every atom pair and image compared at once: a few kernels); larger or not
 fully periodic structures, and every structure on a CPU (where vesin's cell lists are
 faster: 10 against 32 ms for 192 water atoms on the CI machine), go to vesin. On an H200
-vesin costs ~1.3 ms per structure whatever its size, which made a new list for 32 beads of
-192 atoms cost ~60 ms, most of a step, every few path-integral steps."""
+vesin costs ~1.3 ms per structure whatever its size: 40 ms of pair searches for a new list
+of 32 beads of 192 atoms, half a step, every few path-integral steps."""
 
 
 def images_needed(cell: np.ndarray, cutoff: float) -> list[int]:
