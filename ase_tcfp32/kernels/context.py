@@ -123,5 +123,5 @@ def remember_triton_key() -> None:
         partial = path.with_name(f"{path.name}.{os.getpid()}")
         partial.write_text(json.dumps(known))
         os.replace(partial, path)  # atomic: a reader sees the old file or the new one
-    except OSError:  # a read-only cache: the autotuning cache warns about the folder
+    except OSError:  # a read-only cache folder: each process computes the hash, as Triton alone does
         pass
