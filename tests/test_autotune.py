@@ -108,7 +108,8 @@ def test_warm_up_evaluates_a_copy_and_the_next_call_agrees(tiny_ckpt, water):
 
 
 TUNER = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as at a terminal, even if the launcher ignores it
 from ase_tcfp32.kernels import autotune
 key, pause = sys.argv[1], float(sys.argv[2])
 def measure(config):
