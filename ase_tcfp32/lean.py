@@ -113,12 +113,11 @@ def images_needed(cell: np.ndarray, cutoff: float) -> list[int]:
     return [int(cutoff * length) + 1 for length in reciprocal]
 
 
-def all_pairs(positions: torch.Tensor, cell: np.ndarray, cutoff: float) -> tuple:
+def all_pairs(positions: torch.Tensor, cell: np.ndarray, cutoff: float, reach: list[int]) -> tuple:
     """The full list (i, j, shift S) of pairs with ``|r_j - r_i + S @ cell| < cutoff`` (Å) of
     one 3D-periodic structure, as vesin gives it, from all pairs of its atoms (``positions``
-    [n, 3], float64, on any device) and every image that can be in range
+    [n, 3], float64, on any device) and every image up to ``reach`` cells each way
     (:func:`images_needed`); the cell's algebra is done on the host."""
-    reach = images_needed(cell, cutoff)
     grid = np.stack(np.meshgrid(*[np.arange(-r, r + 1) for r in reach], indexing="ij"), -1).reshape(-1, 3)
     device, dtype = positions.device, positions.dtype
     shifts = torch.tensor(grid, device=device)  # [I, 3]
@@ -144,8 +143,9 @@ def structure_pairs(positions: torch.Tensor, cell: torch.Tensor, host_cell: np.n
     from vesin import NeighborList
 
     if positions.is_cuda and pbc.all() and abs(np.linalg.det(host_cell)) > 1e-6:
-        if len(positions) ** 2 * np.prod([2 * r + 1 for r in images_needed(host_cell, cutoff)]) <= ALL_PAIRS_LIMIT:
-            return all_pairs(positions, host_cell, cutoff)
+        reach = images_needed(host_cell, cutoff)
+        if len(positions) ** 2 * np.prod([2 * r + 1 for r in reach]) <= ALL_PAIRS_LIMIT:
+            return all_pairs(positions, host_cell, cutoff, reach)
     try:
         return NeighborList(cutoff=cutoff, full_list=True).compute(points=positions, box=cell, periodic=pbc,
                                                                    quantities="ijS", copy=True)  # fmt: skip

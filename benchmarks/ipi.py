@@ -8,8 +8,9 @@ A real i-PI server (unix socket) runs PIMD NVT of a water box with ``--beads`` b
 driver process (``ase_tcfp32.ipi``) evaluates the forces, one structure per request
 (``batch_size`` 1) or ``--batches`` structures per request, in each precision and engine.
 The time per MD step is the median interval between consecutive lines of i-PI's output
-file after ``--warmup`` steps (their mean, neighbour-list rebuilds included, as well). ``--large N`` also runs one N-molecule box (1 bead) through
-i-PI and the same box in ASE in this process: what the socket costs. ``--driver-options``
+file after ``--warmup`` steps (their mean, neighbour-list rebuilds included, as well).
+``--large N`` also runs one N-molecule box (1 bead) through i-PI and the same box in ASE in
+this process: what the socket costs. ``--driver-options``
 adds driver options (``ase_tcfp32.ipi``) to every driver, e.g. ``neighbor_skin=0.5`` (the
 ASE comparison keeps the calculator's defaults). ``--floor`` also runs each batch size with
 i-PI's own ``dummy`` driver (zero forces, no model): what the server's integration and the

@@ -209,7 +209,7 @@ def test_all_pairs_of_small_cells_are_vesins(water, pt_bulk):
     for atoms, cutoff, reach in [(unwrapped, 10.0, [2, 2, 2]), (triclinic, 8.5, [2, 2, 2]), (pt_bulk, 10.0, [3, 3, 3])]:
         positions, cell = torch.tensor(atoms.positions), atoms.cell.array
         assert images_needed(cell, cutoff) == reach
-        ours = all_pairs(positions, cell, cutoff)
+        ours = all_pairs(positions, cell, cutoff, reach)
         theirs = NeighborList(cutoff=cutoff, full_list=True).compute(points=positions, box=cell, periodic=True,
                                                                      quantities="ijS", copy=True)  # fmt: skip
         listed = [sorted(zip(i.tolist(), j.tolist(), map(tuple, s.tolist()))) for i, j, s in (ours, theirs)]

@@ -103,7 +103,7 @@ def remember_triton_key() -> None:
         for where, _, names in os.walk(os.path.join(root, folder)):
             stats += [os.path.join(where, name) for name in sorted(names) if name.endswith(".py")]
     try:
-        described = "\n".join(f"{path} {os.stat(path).st_size} {os.stat(path).st_mtime_ns}" for path in stats)
+        described = "\n".join(f"{path} {stat.st_size} {stat.st_mtime_ns}" for path in stats for stat in [os.stat(path)])
     except OSError:
         return
     fingerprint = hashlib.sha256(f"{triton.__version__}\n{described}".encode()).hexdigest()
