@@ -5,7 +5,7 @@ The metatomic path rebuilds everything every step: ASE-side neighbour lists, met
 largest neighbour count) is read back to the host. Here instead:
 
 - the candidate pairs within ``cutoff + skin`` come from vesin on the model's device (on
-  a GPU, those of small periodic cells from :func:`all_pairs`) and are kept until an atom
+  a GPU, those of small periodic cells from :func:`all_pairs`, same-size cells together) and are kept until an atom
   has moved more than ``skin / 2`` (a Verlet list), in a buffer of fixed capacity sorted
   by centre atom;
 - each step, on the device only: edge vectors, PET's adaptive per-atom cutoffs (metatrain's
@@ -97,11 +97,12 @@ def _round_up(value: int, multiple: int) -> int:
 
 ALL_PAIRS_LIMIT = 1 << 22
 """Largest atoms² x cell images of a 3D-periodic structure whose pairs :func:`all_pairs`
-finds on a GPU (every atom pair and image compared at once: a few kernels); larger or not
-fully periodic structures, and every structure on a CPU (where vesin's cell lists are
-faster: 10 against 32 ms for 192 water atoms on the CI machine), go to vesin. On an H200
-vesin costs ~1.3 ms per structure whatever its size: 40 ms of pair searches for a new list
-of 32 beads of 192 atoms, half a step, every few path-integral steps."""
+finds on a GPU (every atom pair and image compared at once), and of the structures it
+compares in one go (~100 MB of float64 pair vectors); larger or not fully periodic
+structures, and every structure on a CPU (where vesin's cell lists are faster: 10 against
+32 ms for 192 water atoms on the CI machine), go to vesin. On an H200 vesin costs ~1.3 ms
+per structure whatever its size: 40 ms of pair searches for a new list of 32 beads of 192
+atoms, half a step, every few path-integral steps."""
 
 
 def images_needed(cell: np.ndarray, cutoff: float) -> list[int]:
@@ -113,39 +114,40 @@ def images_needed(cell: np.ndarray, cutoff: float) -> list[int]:
     return [int(cutoff * length) + 1 for length in reciprocal]
 
 
-def all_pairs(positions: torch.Tensor, cell: np.ndarray, cutoff: float, reach: list[int]) -> tuple:
-    """The full list (i, j, shift S) of pairs with ``|r_j - r_i + S @ cell| < cutoff`` (Å) of
-    one 3D-periodic structure, as vesin gives it, from all pairs of its atoms (``positions``
-    [n, 3], float64, on any device) and every image up to ``reach`` cells each way
-    (:func:`images_needed`); the cell's algebra is done on the host."""
+def all_pairs(positions: torch.Tensor, cells: np.ndarray, cutoff: float, reach: list[int]) -> tuple:
+    """The full lists (b, i, j, shift S) of pairs with ``|r_j - r_i + S @ cell_b| < cutoff``
+    (Å), as vesin gives them, of B 3D-periodic structures of n atoms each (``positions``
+    [B, n, 3], float64, on any device; ``cells`` [B, 3, 3] on the host), from all pairs of
+    their atoms and every image up to ``reach`` cells each way (:func:`images_needed`),
+    :data:`ALL_PAIRS_LIMIT` compared at a time."""
     grid = np.stack(np.meshgrid(*[np.arange(-r, r + 1) for r in reach], indexing="ij"), -1).reshape(-1, 3)
     device, dtype = positions.device, positions.dtype
-    shifts = torch.tensor(grid, device=device)  # [I, 3]
-    inverse, images = (torch.tensor(a, dtype=dtype, device=device) for a in (np.linalg.inv(cell), grid @ cell))
-    cell = torch.tensor(cell, dtype=dtype, device=device)
+    shifts = torch.tensor(grid, device=device)  # [I, 3]; the middle one is (0, 0, 0)
+    inverse, images, cell = (torch.tensor(a, dtype=dtype, device=device)
+                             for a in (np.linalg.inv(cells), grid @ cells, cells))  # fmt: skip
     fractional = positions @ inverse
     whole = torch.floor(fractional)  # r = wrapped + whole @ cell
     wrapped = (fractional - whole) @ cell
-    vectors = wrapped[None, :, None] - wrapped[:, None, None] + images[None, None]  # [i, j, I, 3]
-    close = (vectors**2).sum(-1) < cutoff**2
-    itself = torch.eye(len(positions), dtype=torch.bool, device=positions.device)[:, :, None] & (shifts == 0).all(1)
-    i, j, image = (close & ~itself).nonzero(as_tuple=True)
+    count, n, image_count = len(positions), positions.shape[1], len(grid)
+    itself = torch.arange(n, device=device)
+    found = []
+    step = max(1, ALL_PAIRS_LIMIT // (n * n * image_count))
+    for start in range(0, count, step):
+        w = wrapped[start : start + step]
+        vectors = w[:, None, :, None] - w[:, :, None, None] + images[start : start + step, None, None]  # [b, i, j, I, 3]
+        close = (vectors**2).sum(-1) < cutoff**2
+        close[:, itself, itself, image_count // 2] = False
+        b, i, j, image = close.nonzero(as_tuple=True)
+        found.append((b + start, i, j, image))
+    b, i, j, image = (torch.cat(parts) for parts in zip(*found))
     whole = whole.long()
-    return i, j, shifts[image] + whole[i] - whole[j]  # the shift between the unwrapped positions
+    return b, i, j, shifts[image] + whole[b, i] - whole[b, j]  # the shift between the unwrapped positions
 
 
-def structure_pairs(positions: torch.Tensor, cell: torch.Tensor, host_cell: np.ndarray, pbc: np.ndarray,
-                    cutoff: float) -> tuple:  # fmt: skip
-    """The full pair list (i, j, S) within ``cutoff`` (Å) of one structure (float64
-    ``positions`` [n, 3] and ``cell`` [3, 3] on CPU or CUDA, the same cell on the host,
-    periodicity ``pbc`` [3]): :func:`all_pairs` for a small 3D-periodic cell on a GPU
-    (:data:`ALL_PAIRS_LIMIT`), vesin otherwise."""
+def _vesin_pairs(positions: torch.Tensor, cell: torch.Tensor, pbc: np.ndarray, cutoff: float) -> tuple:
+    """vesin's full pair list (i, j, S) of one structure."""
     from vesin import NeighborList
 
-    if positions.is_cuda and pbc.all() and abs(np.linalg.det(host_cell)) > 1e-6:
-        reach = images_needed(host_cell, cutoff)
-        if len(positions) ** 2 * np.prod([2 * r + 1 for r in reach]) <= ALL_PAIRS_LIMIT:
-            return all_pairs(positions, host_cell, cutoff, reach)
     try:
         return NeighborList(cutoff=cutoff, full_list=True).compute(points=positions, box=cell, periodic=pbc,
                                                                    quantities="ijS", copy=True)  # fmt: skip
@@ -155,23 +157,33 @@ def structure_pairs(positions: torch.Tensor, cell: torch.Tensor, host_cell: np.n
 
 def build_pairs(positions: torch.Tensor, cells: torch.Tensor, pbcs: np.ndarray, sizes: list[int], cutoff: float,
                 capacity: int) -> Pairs:  # fmt: skip
-    """Pairs within ``cutoff`` (Å) (:func:`structure_pairs`), structure by structure, for
-    the float64 ``positions`` [N, 3] of structures of ``sizes`` atoms one after another,
-    their ``cells`` [S, 3, 3] and ``pbcs`` [S, 3] (on CPU or CUDA), with atom indices into
-    the whole batch, padded to ``capacity``; when there are more pairs than that, padded to
-    10% more, in multiples of 1024, so that the next lists fit too. The padding pairs are
-    atom 0 to itself with no shift."""
+    """Pairs within ``cutoff`` (Å) of the float64 ``positions`` [N, 3] of structures of
+    ``sizes`` atoms one after another, their ``cells`` [S, 3, 3] and ``pbcs`` [S, 3] (on CPU
+    or CUDA), with atom indices into the whole batch, padded to ``capacity``; when there are
+    more pairs than that, padded to 10% more, in multiples of 1024, so that the next lists
+    fit too. The padding pairs are atom 0 to itself with no shift. On a GPU, small
+    3D-periodic cells of the same size and reach (like path-integral beads) get their pairs
+    from one :func:`all_pairs` (:data:`ALL_PAIRS_LIMIT`); the others from vesin, one by one."""
     device, n = positions.device, len(positions)
-    found = []
-    for start, size, cell, pbc, host_cell in zip(np.cumsum([0, *sizes[:-1]]), sizes, cells, pbcs, cells.cpu().numpy()):
-        i, j, s = structure_pairs(positions[start : start + size], cell, host_cell, pbc, cutoff)
-        s = s.to(device, torch.int64)
-        structure = torch.full((len(i),), len(found), dtype=torch.int64, device=device)
-        found.append((i.to(device, torch.int64) + int(start), j.to(device, torch.int64) + int(start), s,
-                      s.to(cell.dtype) @ cell, structure))  # fmt: skip
-    i, j, shifts, offsets, structure = (torch.cat(parts) for parts in zip(*found))
+    host_cells, starts = cells.cpu().numpy(), np.cumsum([0, *sizes[:-1]])
+    found, groups = [], {}
+    for k, (start, size, pbc, cell) in enumerate(zip(starts, sizes, pbcs, host_cells)):
+        if positions.is_cuda and pbc.all() and abs(np.linalg.det(cell)) > 1e-6:
+            reach = images_needed(cell, cutoff)
+            if size**2 * np.prod([2 * r + 1 for r in reach]) <= ALL_PAIRS_LIMIT:
+                groups.setdefault((size, *reach), []).append(k)
+                continue
+        i, j, s = _vesin_pairs(positions[start : start + size], cells[k], pbc, cutoff)
+        found.append((torch.full((len(i),), k, device=device), *(t.to(device, torch.int64) + int(start) for t in (i, j)),
+                      s.to(device, torch.int64)))  # fmt: skip
+    for (size, *reach), members in groups.items():
+        atoms = torch.from_numpy(starts[members][:, None] + np.arange(size)).to(device)  # [B, size] batch indices
+        b, i, j, s = all_pairs(positions[atoms], host_cells[members], cutoff, reach)
+        found.append((torch.tensor(members, device=device)[b], atoms[b, i], atoms[b, j], s))
+    structure, i, j, shifts = (torch.cat(parts) for parts in zip(*found))
     order = torch.argsort(i, stable=True)
-    i, j, shifts, offsets, structure = i[order], j[order], shifts[order], offsets[order], structure[order]
+    structure, i, j, shifts = structure[order], i[order], j[order], shifts[order]
+    offsets = (shifts.to(cells.dtype)[:, :, None] * cells[structure]).sum(1)  # S @ cell
     count = len(i)
 
     # the reverse of (i, j, S) is (j, i, -S): match integer keys

@@ -194,9 +194,10 @@ def test_a_batch_of_different_structures(tiny_ckpt, water, pt_bulk, ethanol):
 
 
 def test_all_pairs_of_small_cells_are_vesins(water, pt_bulk):
-    """The GPU's list for small periodic cells (every atom pair and image at once) holds
-    exactly vesin's pairs and shifts: atoms outside the cell, a triclinic cell, and a 3.9 Å
-    cell whose atoms see their own images up to 3 cells away."""
+    """The GPU's lists for small periodic cells (every atom pair and image at once, several
+    structures in one go) hold exactly vesin's pairs and shifts: atoms outside the cell, a
+    triclinic cell, and a 3.9 Å cell whose atoms see their own images up to 3 cells away;
+    each with a rattled copy of itself in the same call."""
     from vesin import NeighborList
 
     from ase_tcfp32.lean import all_pairs, images_needed
@@ -207,10 +208,14 @@ def test_all_pairs_of_small_cells_are_vesins(water, pt_bulk):
     triclinic = water.copy()
     triclinic.set_cell(water.cell.array + [[0, 0, 0], [2.5, 0, 0], [1.0, 1.5, 0]], scale_atoms=False)
     for atoms, cutoff, reach in [(unwrapped, 10.0, [2, 2, 2]), (triclinic, 8.5, [2, 2, 2]), (pt_bulk, 10.0, [3, 3, 3])]:
-        positions, cell = torch.tensor(atoms.positions), atoms.cell.array
-        assert images_needed(cell, cutoff) == reach
-        ours = all_pairs(positions, cell, cutoff, reach)
-        theirs = NeighborList(cutoff=cutoff, full_list=True).compute(points=positions, box=cell, periodic=True,
-                                                                     quantities="ijS", copy=True)  # fmt: skip
-        listed = [sorted(zip(i.tolist(), j.tolist(), map(tuple, s.tolist()))) for i, j, s in (ours, theirs)]
-        assert listed[0] == listed[1] and len(listed[0]) > len(atoms)
+        rattled = atoms.copy()
+        rattled.rattle(0.2, seed=2)
+        positions, cells = torch.tensor(np.stack([atoms.positions, rattled.positions])), np.stack([atoms.cell.array] * 2)
+        assert images_needed(cells[0], cutoff) == reach
+        b, i, j, s = all_pairs(positions, cells, cutoff, reach)
+        for k in range(2):
+            ours = (i[b == k], j[b == k], s[b == k])
+            theirs = NeighborList(cutoff=cutoff, full_list=True).compute(points=positions[k], box=cells[k], periodic=True,
+                                                                         quantities="ijS", copy=True)  # fmt: skip
+            listed = [sorted(zip(i.tolist(), j.tolist(), map(tuple, s.tolist()))) for i, j, s in (ours, theirs)]
+            assert listed[0] == listed[1] and len(listed[0]) > len(atoms)
