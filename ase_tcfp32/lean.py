@@ -27,7 +27,9 @@ metatomic path to FP32 rounding (``tests/test_lean.py``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import threading
 import warnings
 from typing import NamedTuple
@@ -534,6 +536,23 @@ _RECORDING = threading.Lock()
 """One graph recorded at a time in the process (calculators on several GPUs in threads)."""
 
 
+@contextlib.contextmanager
+def _no_garbage_collection():
+    """Python's cyclic garbage collector off: a collection during a capture can free an old
+    calculator's recorded graph, and destroying a graph is a CUDA call that a capture
+    forbids. The likely cause of a capture seen failing once on an H200 ("operation not
+    permitted when stream is capturing" raised inside a layer, in ``validate all --quick``
+    when FIRE's second calculator recorded its step, the first one just dropped); not
+    reproduced in two later runs."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 class _Graph:
     """One recorded step of a :class:`LeanPET` for fixed atoms, pair capacity and width."""
 
@@ -547,9 +566,10 @@ class _Graph:
                 lean._step(*self.inputs, stress)
         torch.cuda.current_stream(lean.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        # thread-local capture: other threads (a calculator on another GPU) keep working
-        with _RECORDING, torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.outputs = lean._step(*self.inputs, stress)
+        with _RECORDING, _no_garbage_collection():
+            # thread-local capture: other threads (a calculator on another GPU) keep working
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                self.outputs = lean._step(*self.inputs, stress)
 
     def replay(self, *inputs) -> dict:
         for static, new in zip(self.inputs, inputs):

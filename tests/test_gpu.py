@@ -326,6 +326,36 @@ def test_graph_replays_follow_md_across_list_rebuilds_and_wider_tables(tiny_ckpt
     assert lean.rebuilds >= 2 and lean.width > 8 and lean.widenings >= 1
 
 
+def test_no_garbage_collection_runs_while_a_graph_is_captured(tiny_ckpt, water192):
+    """The collector may free an old calculator's graph, a CUDA call a capture forbids: with
+    the collector set to run every 100 allocations, none of its runs falls inside the
+    capture of a new calculator's step, which records and gives forces."""
+    import gc
+
+    old = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", engine="graphs")
+    old.get_forces(water192.copy())
+    old.itself = old  # a cycle: only the collector frees it and its graph
+    del old
+    during = []
+
+    def collecting(phase, info):
+        if phase == "start":
+            during.append(torch.cuda.is_current_stream_capturing())
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(collecting)
+    gc.set_threshold(100)  # thousands of objects are made during a capture
+    try:
+        atoms = water192.copy()
+        atoms.calc = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", engine="graphs")
+        forces = atoms.get_forces()
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(collecting)
+    assert atoms.calc._lean.recordings == 1 and np.isfinite(forces).all()
+    assert during and not any(during)
+
+
 def test_compiled_graph_engine_matches_metatomic(tiny_ckpt, water192):
     """compile=True with engine='graphs': compiled code recorded in the graph, same forces."""
     atoms = water192.copy()
