@@ -12,7 +12,9 @@ call (:meth:`TCPETCalculator.evaluate`)::
 Options: ``template`` (a file ASE reads: the atoms' species and order, which i-PI does not
 send), ``model`` (uPET name or checkpoint), ``precision``, ``engine``, ``neighbor_skin`` (Å)
 and ``device`` (``"cuda:0;cuda:1"`` splits each batch across GPUs, one calculator and one
-thread per GPU), as for :class:`TCPETCalculator`.
+thread per GPU), as for :class:`TCPETCalculator`. A batch that i-PI pads with copies of its
+last structure (sent before enough requests were queued) goes, without its copies, to a
+second calculator per device that records no CUDA graphs (:meth:`TCPETDriver.compute`).
 Units and conventions are i-PI's: atomic units, the cell's lattice vectors as columns, and
 the virial ``-dE/dstrain`` (``-stress * volume``) in Hartree.
 """
@@ -109,11 +111,13 @@ class TCPETDriver(Dummy_driver):
                 skin = float(skin)
             except ValueError:
                 raise ValueError(f"the tcpet driver's neighbor_skin is a distance in Å, not {skin!r}") from None
-        devices = [d.strip() for d in str(self.device).split(";")] if self.device not in (None, "", "None") else [None]
+        self._devices = [d.strip() for d in str(self.device).split(";")] if self.device not in (None, "", "None") else [None]
+        self._skin = skin
         self.calculators = [TCPETCalculator(self.model, precision=self.precision, device=d, engine=self.engine,
-                                            neighbor_skin=skin) for d in devices]  # fmt: skip
+                                            neighbor_skin=skin) for d in self._devices]  # fmt: skip
         self.calculators[0].check_atoms(self.template, ["energy", "forces"])
-        self._pool = ThreadPoolExecutor(len(devices)) if len(devices) > 1 else None
+        self._short: list | None = None  # the calculators of batches short of requests, made when one comes
+        self._pool = ThreadPoolExecutor(len(self._devices)) if len(self._devices) > 1 else None
         self._slots: list = []  # one Atoms per place in a batch, refilled by each request
         if self.verbose:
             print("tcpet driver:", *map(repr, self.calculators), sep="\n  ", flush=True)
@@ -149,17 +153,45 @@ class TCPETDriver(Dummy_driver):
 
     def compute(self, cell, pos):
         """One structure (i-PI's arrays) or a batch (lists of them): one batched model call
-        per device, the batch split in contiguous chunks across devices."""
+        per device, the batch split in contiguous chunks across devices.
+
+        i-PI pads a batch that it sends before enough requests are queued with copies of its
+        last structure (in i-PI 3.3.1, about one path-integral step in eight is sent as two
+        such batches: docs/scaling.md). The copies are answered with the last real
+        structure's results, and the real ones go to the calculators of short batches
+        (:meth:`_short_calculators`): their sizes change from batch to batch, so these
+        calculators run without CUDA graphs, which a new size would record again, and the
+        full batches keep theirs."""
         if not isinstance(cell, list):
             return self.compute([cell], [pos])[0]
         if not isinstance(pos, list) or len(cell) != len(pos):
             raise ValueError("a batch needs lists of cells and positions of the same length")
-        structures = [self._structure(k, c, p) for k, (c, p) in enumerate(zip(cell, pos))]
-        chunk = -(-len(structures) // len(self.calculators))
-        parts = [structures[k : k + chunk] for k in range(0, len(structures), chunk)]
+        real = len(pos)
+        while real > 1 and np.array_equal(pos[real - 1], pos[real - 2]) and np.array_equal(cell[real - 1], cell[real - 2]):
+            real -= 1  # identical structures have identical results
+        structures = [self._structure(k, c, p) for k, (c, p) in enumerate(zip(cell[:real], pos[:real]))]
+        calculators = self.calculators if real == len(pos) else self._short_calculators()
+        chunk = -(-real // len(calculators))
+        parts = [structures[k : k + chunk] for k in range(0, real, chunk)]
         if self._pool is None:
-            results = self.calculators[0].evaluate(parts[0])
+            results = calculators[0].evaluate(parts[0])
         else:
-            jobs = [self._pool.submit(calc.evaluate, part) for calc, part in zip(self.calculators, parts)]
+            jobs = [self._pool.submit(calc.evaluate, part) for calc, part in zip(calculators, parts)]
             results = [result for job in jobs for result in job.result()]
-        return [self._answer(atoms, result) for atoms, result in zip(structures, results)]
+        answers = [self._answer(atoms, result) for atoms, result in zip(structures, results)]
+        return answers + answers[-1:] * (len(pos) - real)
+
+    def _short_calculators(self) -> list:
+        """One calculator per device for batches with repeated trailing structures: the same
+        model and precision, without CUDA graphs (``engine="lean"``, or the metatomic engine
+        if the full batches use it) and a 0.5 Å skin unless one was given."""
+        if self._short is None:
+            from ase_tcfp32.calculator import LARGE_SKIN, TCPETCalculator
+
+            engine = "metatomic" if self.calculators[0].engine_used == "metatomic" else "lean"
+            skin = LARGE_SKIN if self._skin is None else self._skin
+            self._short = [TCPETCalculator(self.model, precision=self.precision, device=d, engine=engine,
+                                           neighbor_skin=skin) for d in self._devices]  # fmt: skip
+            if self.verbose:
+                print("tcpet driver: calculators for short batches:", *map(repr, self._short), sep="\n  ", flush=True)
+        return self._short

@@ -189,6 +189,37 @@ def test_driver_options_reach_the_calculator(tmp_path):
         TCPETDriver(**options, neighbor_skin="-1")
 
 
+def test_a_padded_batch_is_answered_from_its_real_structures(tmp_path):
+    """i-PI pads a batch sent short of requests with copies of its last structure: the real
+    ones are evaluated by the short-batch calculator (the full batches' calculator, and its
+    recorded state, untouched), the copies get the last one's answer, and every answer is
+    that of a direct evaluation; a full batch goes to the full-batch calculator."""
+    from ase_tcfp32.ipi import ENERGY, FORCE, LENGTH, TCPETDriver
+
+    box = water_box(8, seed=0)
+    ase.io.write(tmp_path / "water.xyz", box)
+    drv = TCPETDriver(template=str(tmp_path / "water.xyz"), model=MODEL, precision="fp32", device="cpu")
+    beads = []
+    for seed in range(3):
+        bead = box.copy()
+        bead.rattle(0.05, seed=seed)
+        beads.append(bead)
+    cells = [b.cell.array.T * LENGTH for b in beads]
+    positions = [b.positions * LENGTH for b in beads]
+    full = drv.calculators[0]
+    answers = drv.compute(cells + cells[-1:] * 2, positions + positions[-1:] * 2)  # 3 real, 2 copies
+    assert len(answers) == 5 and full._lean.evaluations == 0 and drv._short[0]._lean.evaluations == 1
+    direct = TCPETCalculator(MODEL, precision="fp32", device="cpu")
+    for k, answer in enumerate(answers):
+        atoms = beads[min(k, 2)].copy()
+        atoms.calc = direct
+        assert answer[0] == pytest.approx(atoms.get_potential_energy() * ENERGY, abs=1e-4 * ENERGY)
+        assert np.abs(answer[1] - atoms.get_forces() * FORCE).max() <= 1e-4 * FORCE
+    assert answers[3][0] == answers[2][0] and np.array_equal(answers[4][1], answers[2][1])
+    drv.compute(cells, positions)
+    assert full._lean.evaluations == 1 and drv._short[0]._lean.evaluations == 1
+
+
 def test_the_command_line_driver_serves_a_run(run_folder, processes):
     """'ase-tcfp32 ipi-driver' is the same driver with friendlier flags: it serves a short
     run, and a template it cannot read stops it with a clear error."""
