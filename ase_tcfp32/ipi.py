@@ -24,6 +24,7 @@ from __future__ import annotations
 __DRIVER_NAME__ = "tcpet"
 __DRIVER_CLASS__ = "TCPETDriver"
 
+import atexit
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -117,6 +118,8 @@ class TCPETDriver(Dummy_driver):
                                             neighbor_skin=skin) for d in self._devices]  # fmt: skip
         self.calculators[0].check_atoms(self.template, ["energy", "forces"])
         self._short: list | None = None  # the calculators of batches short of requests, made when one comes
+        self.requests, self.padded = 0, 0
+        atexit.register(self._report)
         self._pool = ThreadPoolExecutor(len(self._devices)) if len(self._devices) > 1 else None
         self._slots: list = []  # one Atoms per place in a batch, refilled by each request
         if self.verbose:
@@ -166,10 +169,12 @@ class TCPETDriver(Dummy_driver):
             return self.compute([cell], [pos])[0]
         if not isinstance(pos, list) or len(cell) != len(pos):
             raise ValueError("a batch needs lists of cells and positions of the same length")
+        self.requests += 1
         real = len(pos)
         while real > 1 and np.array_equal(pos[real - 1], pos[real - 2]) and np.array_equal(cell[real - 1], cell[real - 2]):
             real -= 1  # identical structures have identical results
         structures = [self._structure(k, c, p) for k, (c, p) in enumerate(zip(cell[:real], pos[:real]))]
+        self.padded += real < len(pos)
         calculators = self.calculators if real == len(pos) else self._short_calculators()
         chunk = -(-real // len(calculators))
         parts = [structures[k : k + chunk] for k in range(0, real, chunk)]
@@ -180,6 +185,13 @@ class TCPETDriver(Dummy_driver):
             results = [result for job in jobs for result in job.result()]
         answers = [self._answer(atoms, result) for atoms, result in zip(structures, results)]
         return answers + answers[-1:] * (len(pos) - real)
+
+    def _report(self) -> None:
+        """At exit: how many requests came, and how many ended in repeated structures."""
+        if self.requests:
+            print(f"tcpet driver: {self.requests} requests, {self.padded} of them ending in repeated structures (i-PI "
+                  "pads a batch it sends before enough requests are queued; a first step's beads are all alike)",
+                  flush=True)  # fmt: skip
 
     def _short_calculators(self) -> list:
         """One calculator per device for batches with repeated trailing structures: the same

@@ -7,8 +7,11 @@
 A real i-PI server (unix socket) runs PIMD NVT of a water box with ``--beads`` beads; one
 driver process (``ase_tcfp32.ipi``) evaluates the forces, one structure per request
 (``batch_size`` 1) or ``--batches`` structures per request, in each precision and engine.
-The time per MD step is the median interval between consecutive lines of i-PI's output
-file after ``--warmup`` steps (their mean, neighbour-list rebuilds included, as well).
+The time per MD step is the median and the mean interval between consecutive lines of
+i-PI's output file after ``--warmup`` steps; the rates per second come from the mean (every
+step counted: neighbour-list rebuilds, and steps that i-PI sends as two padded batches).
+Our drivers say at exit how many requests they served and how many ended in repeated
+structures (i-PI's padding), printed against the run's steps.
 ``--large N`` also runs one N-molecule box (1 bead) through i-PI and the same box in ASE in
 this process: what the socket costs. ``--driver-options``
 adds driver options (``ase_tcfp32.ipi``) to every driver, e.g. ``neighbor_skin=0.5`` (the
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -89,15 +93,33 @@ def run(model: str, structure, *, beads: int, steps: int, warmup: int, batch_siz
                 lines = count
             time.sleep(0.002)
         intervals = np.diff(stamps[warmup:])
-        return {"ms_per_step": 1000 * float(np.median(intervals)), "first_step_s": stamps[0] - start if stamps else None,
-                "steps_timed": len(intervals), "ms_per_step_mean": 1000 * float(np.mean(intervals)),
-                "step_ms": [round(1000 * float(t), 2) for t in intervals]}  # fmt: skip
+        row = {"ms_per_step": 1000 * float(np.median(intervals)), "first_step_s": stamps[0] - start if stamps else None,
+               "steps_timed": len(intervals), "ms_per_step_mean": 1000 * float(np.mean(intervals)),
+               "step_ms": [round(1000 * float(t), 2) for t in intervals]}  # fmt: skip
+        return {**row, **_requests(started[1:], folder, steps=warmup + steps + 1)}
     finally:
         for process in started:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _requests(drivers: list, folder: Path, steps: int) -> dict:
+    """What our drivers said at exit (``ase_tcfp32.ipi``): requests served in all, and how
+    many ended in repeated structures (batches i-PI padded), against the run's ``steps``."""
+    counts = []
+    for k, process in enumerate(drivers):
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            continue
+        found = re.search(r"tcpet driver: (\d+) requests, (\d+) of them", (folder / f"driver{k}.log").read_text())
+        if found:
+            counts.append([int(found[1]), int(found[2])])
+    if not counts:
+        return {}
+    return {"steps_in_all": steps, "requests": sum(c[0] for c in counts), "padded_requests": sum(c[1] for c in counts)}
 
 
 def ase_step_ms(model: str, structure, precision: str, steps: int) -> float:
@@ -140,7 +162,8 @@ def main() -> None:
     extra = dict(item.split("=", 1) for item in args.driver_options.split(",") if item)
     water = water_box(args.molecules, seed=0)
     rows = []
-    print(f"{'precision':>9} {'engine':>7} {'batch':>5} {'ms/step':>9} {'bead-steps/s':>12} {'atom-steps/s':>12}")
+    print(f"{'precision':>9} {'engine':>7} {'batch':>5} {'median ms':>9} {'mean ms':>8} {'bead-steps/s':>12} "
+          f"{'atom-steps/s':>12} {'requests':>9} {'padded':>6} {'steps':>5}")  # fmt: skip
     batches = list(map(int, args.batches.split(","))) if args.batches else []
     runs = [("none", "dummy", batch) for batch in batches if args.floor]
     precisions = [p for p in args.precisions.split(",") if p]
@@ -156,10 +179,11 @@ def main() -> None:
         try:
             row.update(run(model, water, beads=args.beads, steps=args.steps, warmup=args.warmup, batch_size=batch,
                            drivers=[driver]))  # fmt: skip
-            row["bead_steps_per_s"] = args.beads * 1000 / row["ms_per_step"]
+            row["bead_steps_per_s"] = args.beads * 1000 / row["ms_per_step_mean"]
             row["atom_steps_per_s"] = row["bead_steps_per_s"] * len(water)
-            print(f"{precision:>9} {engine:>7} {batch:>5} {row['ms_per_step']:9.1f} {row['bead_steps_per_s']:12.0f} "
-                  f"{row['atom_steps_per_s']:12.0f}", flush=True)  # fmt: skip
+            print(f"{precision:>9} {engine:>7} {batch:>5} {row['ms_per_step']:9.1f} {row['ms_per_step_mean']:8.1f} "
+                  f"{row['bead_steps_per_s']:12.0f} {row['atom_steps_per_s']:12.0f} {row.get('requests', '-'):>9} "
+                  f"{row.get('padded_requests', '-'):>6} {row.get('steps_in_all', '-'):>5}", flush=True)  # fmt: skip
         except Exception as error:  # a configuration that fails must not stop the others
             row["error"] = str(error)[-1500:]
             print(f"{precision:>9} {engine:>7} {batch:>5} failed: {row['error'][-300:]}", flush=True)
@@ -173,7 +197,7 @@ def main() -> None:
             row.update(run(model, large, beads=1, steps=args.steps, warmup=args.warmup, batch_size=1,
                            drivers=[{"precision": precision, **extra}]))  # fmt: skip
             row["ase_ms_per_step"] = ase_step_ms(model, large, precision, steps=args.steps)
-            row["atom_steps_per_s"] = len(large) * 1000 / row["ms_per_step"]
+            row["atom_steps_per_s"] = len(large) * 1000 / row["ms_per_step_mean"]
             print(f"{len(large)} atoms, {precision}: i-PI {row['ms_per_step']:.1f} ms/step, ASE {row['ase_ms_per_step']:.1f} "
                   f"ms/step, {row['atom_steps_per_s']:.0f} atom-steps/s through i-PI", flush=True)  # fmt: skip
             rows.append(row)

@@ -2,7 +2,9 @@
 the bundled model): path-integral MD served by two drivers, a driver killed mid-run, bad
 input. Every process started here is bounded in time and killed at the end."""
 
+import atexit
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -120,6 +122,13 @@ def test_pimd_served_by_two_drivers_matches_direct_evaluation(run_folder, proces
     assert wait(ipi, run_folder, 240, drivers) == 0, (run_folder / "server.log").read_text()[-2000:]
     properties = np.loadtxt(run_folder / "sim.out", ndmin=2)
     assert properties.shape[0] == steps + 1  # step 0 and every step after
+    served = 0
+    for name, process in zip(("driver-a", "driver-b"), drivers):  # each says at exit what it served
+        assert process.wait(timeout=30) == 0
+        found = re.search(r"tcpet driver: (\d+) requests, (\d+) of them ending in repeated structures",
+                          (run_folder / f"{name}.log").read_text())  # fmt: skip
+        served += int(found[1]) if found else 0
+    assert served >= steps + 1  # at least a request per step, some steps split between the drivers
     calc = TCPETCalculator(MODEL, precision="fp32", device="cpu")
     template = ase.io.read(run_folder / "water.xyz")
     for bead in range(4):
@@ -218,6 +227,8 @@ def test_a_padded_batch_is_answered_from_its_real_structures(tmp_path):
     assert answers[3][0] == answers[2][0] and np.array_equal(answers[4][1], answers[2][1])
     drv.compute(cells, positions)
     assert full._lean.evaluations == 1 and drv._short[0]._lean.evaluations == 1
+    assert (drv.requests, drv.padded) == (2, 1)
+    atexit.unregister(drv._report)  # its exit report is for driver processes
 
 
 def test_the_command_line_driver_serves_a_run(run_folder, processes):
