@@ -157,17 +157,17 @@ def _vesin_pairs(positions: torch.Tensor, cell: torch.Tensor, pbc: np.ndarray, c
         raise NeighbourListError(str(error)) from error
 
 
-def build_pairs(positions: torch.Tensor, cells: torch.Tensor, pbcs: np.ndarray, sizes: list[int], cutoff: float,
+def build_pairs(positions: torch.Tensor, host_cells: np.ndarray, pbcs: np.ndarray, sizes: list[int], cutoff: float,
                 capacity: int) -> Pairs:  # fmt: skip
-    """Pairs within ``cutoff`` (Å) of the float64 ``positions`` [N, 3] of structures of
-    ``sizes`` atoms one after another, their ``cells`` [S, 3, 3] and ``pbcs`` [S, 3] (on CPU
-    or CUDA), with atom indices into the whole batch, padded to ``capacity``; when there are
+    """Pairs within ``cutoff`` (Å) of the float64 ``positions`` [N, 3] (on CPU or CUDA) of
+    structures of ``sizes`` atoms one after another, their cells [S, 3, 3] and ``pbcs``
+    [S, 3] (on the host), with atom indices into the whole batch, padded to ``capacity``; when there are
     more pairs than that, padded to 10% more, in multiples of 1024, so that the next lists
     fit too. The padding pairs are atom 0 to itself with no shift. On a GPU, small
     3D-periodic cells of the same size and reach (like path-integral beads) get their pairs
     from one :func:`all_pairs` (:data:`ALL_PAIRS_LIMIT`); the others from vesin, one by one."""
     device, n = positions.device, len(positions)
-    host_cells, starts = cells.cpu().numpy(), np.cumsum([0, *sizes[:-1]])
+    cells, starts = torch.from_numpy(host_cells).to(device, torch.float64), np.cumsum([0, *sizes[:-1]])
     found, groups = [], {}
     for k, (start, size, pbc, cell) in enumerate(zip(starts, sizes, pbcs, host_cells)):
         if positions.is_cuda and pbc.all() and abs(np.linalg.det(cell)) > 1e-6:
@@ -333,10 +333,9 @@ class LeanPET:
 
     def _update_pairs(self, batch: Structures) -> None:
         positions = torch.from_numpy(batch.positions).to(self._nl_device, torch.float64)
-        cells = torch.from_numpy(batch.cells).to(self._nl_device, torch.float64)
         capacity = self.pairs.valid.numel() if self.pairs is not None else 0
         try:
-            pairs = build_pairs(positions, cells, batch.pbcs, batch.sizes, self.backend.cutoff + self.skin, capacity)
+            pairs = build_pairs(positions, batch.cells, batch.pbcs, batch.sizes, self.backend.cutoff + self.skin, capacity)
         except NeighbourListError as error:
             if self._nl_device.type == "cpu":
                 raise

@@ -703,8 +703,8 @@ def test_the_gpus_pair_list_of_a_batch_is_vesins(water192, pt_bulk):
     batch = Structures.of(structures)
     lists = []
     for device in ("cpu", "cuda"):
-        positions, cells = (torch.tensor(a, dtype=torch.float64, device=device) for a in (batch.positions, batch.cells))
-        pairs = build_pairs(positions, cells, batch.pbcs, batch.sizes, 10.0, 0)
+        positions = torch.tensor(batch.positions, dtype=torch.float64, device=device)
+        pairs = build_pairs(positions, batch.cells, batch.pbcs, batch.sizes, 10.0, 0)
         structure = pairs.bins // VIRIAL_BINS
         key = torch.cat([pairs.centers[:, None], pairs.neighbors[:, None], pairs.shifts, structure[:, None]], 1)[: pairs.count]
         order = torch.from_numpy(np.lexsort(key.cpu().numpy().T[::-1]))

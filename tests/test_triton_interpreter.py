@@ -140,7 +140,7 @@ CUTOFFS_SCRIPT = textwrap.dedent(
         atoms = water_box(molecules, seed=molecules)
         atoms.rattle(0.1, seed=2)
         positions, cell = torch.tensor(atoms.positions), torch.tensor(atoms.cell.array)
-        pairs = build_pairs(positions, cell[None], np.array([atoms.pbc]), [len(atoms)], 8.0 + skin, 0)
+        pairs = build_pairs(positions, atoms.cell.array[None], np.array([atoms.pbc]), [len(atoms)], 8.0 + skin, 0)
         vectors = positions[pairs.neighbors] - positions[pairs.centers] + pairs.shifts.double() @ cell
         far = torch.tensor(1e6, dtype=torch.float64)  # the padding pairs, as the lean engine places them
         distances = torch.where(pairs.valid, vectors.norm(dim=1), far).float().requires_grad_()
