@@ -348,7 +348,9 @@ def test_no_garbage_collection_runs_while_a_graph_is_captured(tiny_ckpt, water19
     try:
         atoms = water192.copy()
         atoms.calc = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", engine="graphs")
-        forces = atoms.get_forces()
+        atoms.get_forces()  # the watchdog's eager step
+        atoms.positions[0, 0] += 0.01
+        forces = atoms.get_forces()  # recorded, then replayed
     finally:
         gc.set_threshold(*threshold)
         gc.callbacks.remove(collecting)
