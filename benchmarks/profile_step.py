@@ -51,7 +51,7 @@ def profile_precision(model: str, precision: str, atoms, steps: int, engine: str
             "gpu_busy_ms": sum(e.device_time for e in kernels) / 1000 / steps,
             "kernels_per_step": len(kernels) / steps,
             "top_host_ops": averages.table(sort_by="self_cpu_time_total", row_limit=12),
-            "top_gpu_ops": averages.table(sort_by="self_device_time_total", row_limit=15)}  # fmt: skip
+            "top_gpu_ops": averages.table(sort_by="self_device_time_total", row_limit=25)}  # fmt: skip
 
 
 def main() -> None:

@@ -798,14 +798,15 @@ def test_tensor_core_attention_one_allowed_key_gives_its_value_exactly():
 
 
 def test_tensor_core_attention_in_pet_matches_sdpa_in_every_engine(tiny_ckpt, water192):
-    """tf32x3 with our attention (the default for FP32-accurate precisions) against the
-    same precision with torch's SDPA: energies, forces and stress to FP32 rounding, eager,
-    compiled and in CUDA graphs."""
+    """tf32x3 with our attention and SwiGLU (the default for FP32-accurate precisions)
+    against the same precision with torch's SDPA and metatrain's SwiGLU: energies, forces
+    and stress to FP32 rounding, eager, compiled and in CUDA graphs."""
     from ase_tcfp32.attention import swap_attention_blocks
+    from ase_tcfp32.fused import swap_feed_forwards
 
     reference = water192.copy()
     reference.calc = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", engine="metatomic")
-    assert swap_attention_blocks(reference.calc.pet, False)
+    assert swap_attention_blocks(reference.calc.pet, False) and swap_feed_forwards(reference.calc.pet, False)
     e0, f0, s0 = reference.get_potential_energy(), reference.get_forces(), reference.get_stress()
     for engine, compile in [("metatomic", False), ("lean", False), ("graphs", False), ("lean", True)]:
         atoms = water192.copy()
@@ -814,3 +815,49 @@ def test_tensor_core_attention_in_pet_matches_sdpa_in_every_engine(tiny_ckpt, wa
         assert abs(atoms.get_potential_energy() - e0) / len(atoms) < 2e-6, (engine, compile)
         assert np.abs(atoms.get_forces() - f0).max() < 3e-5, (engine, compile)
         assert np.abs(atoms.get_stress() - s0).max() < 1e-6, (engine, compile)
+
+
+def _assert_swiglu_errors_within_8_units(y, grad, h, grad_y):
+    """Elementwise, against FP64, where the gate is finite: a few roundings of 2^-24 each
+    (libdevice's exp, 1 + e, the division, the products), plus FP32's underflow (2^-126)
+    for results below its normal range; the gate's gradient relative to |dh v| (1 - s
+    cancels where s is near 1, as in torch's own kernels)."""
+    u, tiny = 2.0**-24, 2.0**-126
+    v, gate = (t.double() for t in y.chunk(2, dim=-1))
+    dv, dg = (t.double() for t in grad_y.chunk(2, dim=-1))
+    s, grad, finite = torch.sigmoid(gate), grad.double(), torch.isfinite(gate)
+    assert ((h.double() - v * s).abs() <= (8 * u * s + tiny) * v.abs())[finite].all()
+    assert ((dv - grad * s).abs() <= (8 * u * s + tiny) * grad.abs())[finite].all()
+    assert ((dg - grad * v * s * (1 - s)).abs() <= (8 * u + tiny) * (grad * v).abs())[finite].all()
+
+
+def test_fused_swiglu_matches_fp64():
+    """The SwiGLU kernels (libdevice's exp on the GPU) against FP64, forward and backward,
+    with non-finite gates propagating as in torch."""
+    from ase_tcfp32.fused import swiglu
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for rows, features in [(100_003, 512), (1_001, 2048), (77, 40)]:
+        y = torch.randn(rows, 2 * features, device="cuda", generator=g) * 4
+        y[0, features : features + 5] = torch.tensor([90.0, -90.0, float("inf"), -float("inf"), float("nan")])
+        grad = torch.randn(rows, features, device="cuda", generator=g)
+        ours, plain = y.clone().requires_grad_(), y.clone().requires_grad_()
+        h = swiglu(ours)
+        h.backward(grad)
+        v, gate = plain.chunk(2, dim=-1)
+        expected = v * torch.sigmoid(gate)
+        expected.backward(grad)
+        assert torch.equal(torch.isnan(h), torch.isnan(expected)) and torch.equal(torch.isnan(ours.grad), torch.isnan(plain.grad))
+        _assert_swiglu_errors_within_8_units(y, grad, h, ours.grad)
+
+
+def test_fused_swiglu_past_2_31_elements():
+    """Offsets past 2^31 elements (a 2.2-billion-float input, 26 GB in all): the last rows."""
+    from ase_tcfp32.kernels import swiglu
+
+    rows, features = 2**31 // 1024 + 3, 512
+    y = torch.randn(rows, 2 * features, device="cuda")
+    grad = torch.randn(rows, features, device="cuda")
+    h = swiglu.forward(y)[-4:].clone()
+    grad_y = swiglu.backward(grad, y)[-4:]
+    _assert_swiglu_errors_within_8_units(y[-4:], grad[-4:], h, grad_y)

@@ -1,0 +1,86 @@
+"""PET's SwiGLU: metatrain's expression in eager torch against ``ase_tcfp32.fused.swiglu``.
+
+    python benchmarks/fused.py [--models s,m] [--atoms 192,17280] [--out results.json]
+
+For the feed-forward shapes of PET-MAD-S / -M (the edge tokens' ``mlp``: atoms x W rows of
+``d_feedforward = 2 d_pet``; the atoms' ``center_mlp``: atoms rows of ``2 d_node = 8
+d_pet``; W of water at 1 g/cm³ from ``gemm.PAD_WIDTH``) it times, in the same run, the
+forward and the forward + backward of both, and reports the speed-ups and the largest
+errors against FP64 (in units of 2^-24, relative to |v|, and to |dh v| for the gate's
+gradient).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from gemm import PAD_WIDTH
+from triton.testing import do_bench
+
+from ase_tcfp32.fused import swiglu
+from ase_tcfp32.validation.common import environment
+
+D_PET = {"s": 256, "m": 384}
+
+
+def eager(y: torch.Tensor) -> torch.Tensor:
+    v, g = y.chunk(2, dim=-1)
+    return v * torch.sigmoid(g)
+
+
+def errors(function, y: torch.Tensor, grad: torch.Tensor) -> dict:
+    """Largest errors of ``function`` vs FP64 on ``y``'s first 4096 rows, in units of 2^-24."""
+    y, grad = y[:4096].clone().requires_grad_(), grad[:4096]
+    h = function(y)
+    h.backward(grad)
+    v, s = y.detach().double().chunk(2, dim=-1)
+    s, grad = torch.sigmoid(s), grad.double()
+    dv, dg = y.grad.double().chunk(2, dim=-1)
+    worst = lambda error, size: (error / size)[size > 0].max().item() / 2.0**-24  # noqa: E731
+    return {"h": worst((h.double() - v * s).abs(), v.abs()), "dv": worst((dv - grad * s).abs(), grad.abs()),
+            "dg": worst((dg - grad * v * s * (1 - s)).abs(), (grad * v).abs())}  # fmt: skip
+
+
+def measure(size: str, atoms: int) -> list[dict]:
+    d, width = D_PET[size], PAD_WIDTH[(size, atoms)]
+    rows = []
+    for layer, m, features in [("mlp", atoms * width, 2 * d), ("center_mlp", atoms, 8 * d)]:
+        g = torch.Generator(device="cuda").manual_seed(m)
+        y = torch.randn(m, 2 * features, device="cuda", generator=g).requires_grad_()
+        grad = torch.randn(m, features, device="cuda", generator=g)
+        row = {"model": size, "atoms": atoms, "layer": layer, "shape": [m, 2 * features]}
+        for name, function in (("eager", eager), ("fused", swiglu)):
+            row[f"{name}_forward_ms"] = do_bench(lambda: function(y.detach()), warmup=5, rep=40)
+            row[f"{name}_forward_backward_ms"] = do_bench(
+                lambda: torch.autograd.grad(function(y), y, grad), warmup=5, rep=40)  # fmt: skip
+            row[f"{name}_errors_ulp"] = errors(function, y.detach(), grad)
+        row["speedup_forward"] = row["eager_forward_ms"] / row["fused_forward_ms"]
+        row["speedup_forward_backward"] = row["eager_forward_backward_ms"] / row["fused_forward_backward_ms"]
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="s,m")
+    parser.add_argument("--atoms", default="192,17280")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    rows = [r for size in args.models.split(",") for atoms in map(int, args.atoms.split(",")) for r in measure(size, atoms)]
+    print("model  atoms  layer       rows x 2F          eager fwd / +bwd ms   fused fwd / +bwd ms   speed-up   err h/dv/dg (2^-24)")
+    for r in rows:
+        e = r["fused_errors_ulp"]
+        print(f"{r['model']:>5} {r['atoms']:>6}  {r['layer']:<10} {r['shape'][0]:>8} x {r['shape'][1]:<5} "
+              f"{r['eager_forward_ms']:8.3f} / {r['eager_forward_backward_ms']:8.3f}   "
+              f"{r['fused_forward_ms']:8.3f} / {r['fused_forward_backward_ms']:8.3f}   "
+              f"{r['speedup_forward']:.2f} / {r['speedup_forward_backward']:.2f}x  "
+              f"{e['h']:.1f} / {e['dv']:.1f} / {e['dg']:.1f}")  # fmt: skip
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"environment": environment("cuda"), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
