@@ -24,6 +24,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .kernels.context import INTERPRETED
+from .models import swap_class
 from .precision import FP32_ACCURATE, triton_build_problem
 
 
@@ -153,12 +154,8 @@ def swap_attention_blocks(module: torch.nn.Module, enable: bool = True) -> list[
     """Run the attention of every metatrain ``AttentionBlock`` in ``module`` through
     :func:`tc_attention` (``enable=False``: back to torch's SDPA); return their names.
     Idempotent; parameters and state_dict keys are unchanged."""
-    plain, ours = _classes()
-    changed = []
-    for name, child in module.named_modules():
-        if isinstance(child, plain) and type(child) in (plain, ours):
-            child.__class__ = ours if enable else plain
-            if enable:
-                child._max_tokens = _kernels().max_tokens(child.head_dim)
-            changed.append(name)
-    return changed
+    names = swap_class(module, *_classes(), enable)
+    for name in names if enable else ():
+        block = module.get_submodule(name)
+        block._max_tokens = _kernels().max_tokens(block.head_dim)
+    return names

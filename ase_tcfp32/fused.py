@@ -22,6 +22,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .kernels.context import INTERPRETED
+from .models import swap_class
 
 
 def _kernels():
@@ -82,10 +83,4 @@ def swap_feed_forwards(module: torch.nn.Module, enable: bool = True) -> list[str
     """Run the SwiGLU of every metatrain ``FeedForward`` in ``module`` through :func:`swiglu`
     (``enable=False``: back to metatrain's code); return their names. Idempotent;
     parameters and state_dict keys are unchanged."""
-    plain, ours = _classes()
-    changed = []
-    for name, child in module.named_modules():
-        if isinstance(child, plain) and type(child) in (plain, ours) and child.is_swiglu:
-            child.__class__ = ours if enable else plain
-            changed.append(name)
-    return changed
+    return swap_class(module, *_classes(), enable, takes=lambda child: child.is_swiglu)

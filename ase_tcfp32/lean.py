@@ -366,11 +366,9 @@ class LeanPET:
 
     def pair_vectors(self, positions: torch.Tensor) -> torch.Tensor:
         """The vectors [capacity, 3] (Å) from each pair's centre to its neighbour's image,
-        for the positions [N, 3] (zero for the padding)."""
+        for the positions [N, 3] (zero for the padding); see :class:`_PairVectors`."""
         pairs = self.pairs
-        # index_select, not positions[index]: its backward adds atomically, where advanced
-        # indexing sorts the indices (measured 10x slower on H200 with ~400 pairs per atom)
-        return positions.index_select(0, pairs.neighbors) - positions.index_select(0, pairs.centers) + pairs.offsets
+        return _PairVectors.apply(positions, pairs.centers, pairs.neighbors, pairs.offsets, pairs.reverse, pairs.first)
 
     def neighbour_table(self, vectors: torch.Tensor, numbers: torch.Tensor, columns: torch.Tensor) -> tuple:
         """PET's input tensors (its ``batch_data``: [N, J] tables of the kept pairs) and the
@@ -509,6 +507,27 @@ class LeanPET:
                 self._graph = _Graph(self, (positions, cells, numbers, system), stress)
             self.recordings += 1
         return self._graph.replay(positions, cells, numbers, system)
+
+
+class _PairVectors(torch.autograd.Function):
+    """``v_k = x[j_k] - x[i_k] + offset_k`` for pairs sorted by centre atom, each with its
+    reverse pair (j -> i, opposite shift; the padding pairs are their own reverse and get
+    no gradient). Atom a's gradient is the sum over its own pairs k of ``g[reverse[k]] -
+    g[k]``: a gather and one segment sum instead of two scatter-adds of every pair's
+    gradient onto the atoms, whose atomic additions queue on each atom's three numbers
+    (~250 pairs per atom at 17,280 water atoms with the 0.5 Å skin)."""
+
+    @staticmethod
+    def forward(ctx, positions, centers, neighbors, offsets, reverse, first):
+        ctx.save_for_backward(reverse, first)
+        return positions.index_select(0, neighbors) - positions.index_select(0, centers) + offsets
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        reverse, first = ctx.saved_tensors  # first [N + 1]: the padding after first[N] is left out
+        per_pair = grad.index_select(0, reverse) - grad
+        return torch.segment_reduce(per_pair, "sum", offsets=first, axis=0), None, None, None, None, None
 
 
 class Structures(NamedTuple):

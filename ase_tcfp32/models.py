@@ -295,6 +295,19 @@ class Recomputed(torch.nn.Module):
         return torch.utils.checkpoint.checkpoint(self.module, *args, use_reentrant=False)
 
 
+def swap_class(module: torch.nn.Module, plain: type, ours: type, enable: bool, takes=lambda child: True) -> list[str]:
+    """Give every submodule of class ``plain`` (or ``ours``) in ``module`` that ``takes``
+    accepts the class ``ours``, a subclass with another ``forward`` (``enable=False``: back
+    to ``plain``); return their names. Parameters, buffers and state_dict keys stay as they
+    are; a subclass of ``plain`` other than ``ours`` is left alone."""
+    changed = []
+    for name, child in module.named_modules():
+        if type(child) in (plain, ours) and takes(child):
+            child.__class__ = ours if enable else plain
+            changed.append(name)
+    return changed
+
+
 def recompute_gnn_layers(pet: torch.nn.Module) -> None:
     """Store only each GNN layer's inputs for the forces' backward pass, not its attention
     and feed-forward activations (which dominate memory on large systems); the layer runs

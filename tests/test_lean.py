@@ -193,6 +193,31 @@ def test_a_batch_of_different_structures(tiny_ckpt, water, pt_bulk, ethanol):
         calc.evaluate([water, broken])
 
 
+def test_pair_vectors_backward_sums_each_atoms_pairs_and_their_reverses(water, pt_bulk, ethanol):
+    """The gradient of the pair vectors' function (a gather by reverse pair and a segment
+    sum per centre) is the scatter-add of every pair's gradient onto its two atoms, in
+    float64 to rounding: a batch with periodic self-images, a molecule and an isolated
+    atom (an empty segment), padding included."""
+    from ase import Atoms
+
+    from ase_tcfp32.lean import Structures, build_pairs
+
+    lone = Atoms("O", positions=[[0.0, 0.0, 0.0]])
+    batch = Structures.of([water, pt_bulk, lone, ethanol])
+    positions = torch.tensor(batch.positions, requires_grad=True)
+    pairs = build_pairs(positions.detach(), batch.cells, batch.pbcs, batch.sizes, 5.0, 0)
+    lean = LeanPET.__new__(LeanPET)
+    lean.pairs = pairs
+    g = torch.Generator().manual_seed(0)
+    weights = torch.randn(pairs.valid.numel(), 3, dtype=torch.float64, generator=g) * pairs.valid[:, None]
+    (ours,) = torch.autograd.grad((lean.pair_vectors(positions) * weights).sum(), positions)
+    plain = positions.index_select(0, pairs.neighbors) - positions.index_select(0, pairs.centers) + pairs.offsets
+    (expected,) = torch.autograd.grad((plain * weights).sum(), positions)
+    assert pairs.count < pairs.valid.numel() and torch.equal(ours[len(water) + len(pt_bulk)], torch.zeros(3, dtype=torch.float64))
+    assert torch.allclose(ours, expected, rtol=0, atol=1e-12 * float(expected.abs().max()))
+    assert not torch.equal(ours, torch.zeros_like(ours))
+
+
 def test_all_pairs_of_small_cells_are_vesins(water, pt_bulk):
     """The GPU's lists for small periodic cells (every atom pair and image at once, several
     structures in one go) hold exactly vesin's pairs and shifts: atoms outside the cell, a

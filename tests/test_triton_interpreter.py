@@ -55,14 +55,39 @@ def test_tf32_kernels_in_the_triton_interpreter():
     interpret(SCRIPT, "interpreter kernels ok")
 
 
-ATTENTION_SCRIPT = textwrap.dedent(
+SAME_PET_AFTER = textwrap.dedent(
     """
     import numpy as np
     import torch
-    from ase_tcfp32.attention import swap_attention_blocks, tc_attention
     from ase_tcfp32.lean import LeanPET
-    from ase_tcfp32.models import load_pet, recompute_gnn_layers
+    from ase_tcfp32.models import load_pet
     from ase_tcfp32.validation import water_box
+
+
+    # The bundled demo model on a rattled 24-atom water box (lean engine, CPU) before and after
+    # swap(pet) (which must return True): energy, forces and stress to FP32 rounding. Returns
+    # the model, the engine, the atoms and the results after.
+    def same_pet_after(swap):
+        pet = load_pet("pet-demo-chgnet", "latest")
+        atoms = water_box(8)
+        atoms.rattle(0.05, seed=1)
+        lean = LeanPET(pet, torch.device("cpu"), 2.0, 0, None)
+        lean._solver_kernel = None  # metatrain's solver: the cutoff kernel has its own test (and is slow interpreted)
+        before = lean.compute([atoms], stress=True)[0]
+        assert swap(pet)
+        after = lean.compute([atoms], stress=True)[0]
+        assert abs(after["energy"] - before["energy"]) < 16 * len(atoms) * 2.0**-24 * abs(before["energy"])
+        assert np.abs(after["forces"] - before["forces"]).max() < 1e-5 * np.abs(before["forces"]).max()
+        assert np.abs(after["stress"] - before["stress"]).max() < 1e-5 * np.abs(before["stress"]).max()
+        return pet, lean, atoms, after
+    """
+)
+
+
+ATTENTION_SCRIPT = SAME_PET_AFTER + textwrap.dedent(
+    """
+    from ase_tcfp32.attention import swap_attention_blocks, tc_attention
+    from ase_tcfp32.models import recompute_gnn_layers
 
     g = torch.Generator().manual_seed(0)
     u = 2.0**-24
@@ -89,17 +114,7 @@ ATTENTION_SCRIPT = textwrap.dedent(
         assert rel(q.grad, q64.grad) < 64 * tokens * u and rel(m.grad, m64.grad) < 64 * tokens * u, (atoms, tokens)
 
     # PET (the bundled demo model) with the kernels against torch's SDPA: same energy, forces, stress
-    pet = load_pet("pet-demo-chgnet", "latest")
-    atoms = water_box(8)
-    atoms.rattle(0.05, seed=1)
-    lean = LeanPET(pet, torch.device("cpu"), 2.0, 0, None)
-    lean._solver_kernel = None  # metatrain's solver: the cutoff kernel has its own test (and is slow interpreted)
-    before = lean.compute([atoms], stress=True)[0]
-    assert len(swap_attention_blocks(pet)) == 4
-    after = lean.compute([atoms], stress=True)[0]
-    assert abs(after["energy"] - before["energy"]) < 16 * len(atoms) * u * abs(before["energy"])
-    assert np.abs(after["forces"] - before["forces"]).max() < 1e-5 * np.abs(before["forces"]).max()
-    assert np.abs(after["stress"] - before["stress"]).max() < 1e-5 * np.abs(before["stress"]).max()
+    pet, lean, atoms, after = same_pet_after(lambda pet: len(swap_attention_blocks(pet)) == 4)
     import sys
     assert "torch._dynamo" not in sys.modules  # eager: no custom-op call (its first one imports dynamo, 0.5 s)
     recompute_gnn_layers(pet)  # low_memory=True: the layers run their forward again in the backward
@@ -126,14 +141,9 @@ def test_attention_kernels_in_the_triton_interpreter():
     interpret(ATTENTION_SCRIPT, "interpreter attention ok")
 
 
-SWIGLU_SCRIPT = textwrap.dedent(
+SWIGLU_SCRIPT = SAME_PET_AFTER + textwrap.dedent(
     """
-    import numpy as np
-    import torch
     from ase_tcfp32.fused import swap_feed_forwards, swiglu
-    from ase_tcfp32.lean import LeanPET
-    from ase_tcfp32.models import load_pet
-    from ase_tcfp32.validation import water_box
 
     g = torch.Generator().manual_seed(0)
     u = 2.0**-24
@@ -163,17 +173,7 @@ SWIGLU_SCRIPT = textwrap.dedent(
         assert ((dg.double() - grad.double() * v.double() * s64 * (1 - s64))[finite].abs() <= 8 * u * scale[finite]).all(), shape
 
     # PET (the bundled demo model) with the fused SwiGLU against metatrain's: same energy, forces, stress
-    pet = load_pet("pet-demo-chgnet", "latest")
-    atoms = water_box(8)
-    atoms.rattle(0.05, seed=1)
-    lean = LeanPET(pet, torch.device("cpu"), 2.0, 0, None)
-    lean._solver_kernel = None  # metatrain's solver: the cutoff kernel has its own test (and is slow interpreted)
-    before = lean.compute([atoms], stress=True)[0]
-    assert len(swap_feed_forwards(pet)) > 0
-    after = lean.compute([atoms], stress=True)[0]
-    assert abs(after["energy"] - before["energy"]) < 16 * len(atoms) * u * abs(before["energy"])
-    assert np.abs(after["forces"] - before["forces"]).max() < 1e-5 * np.abs(before["forces"]).max()
-    assert np.abs(after["stress"] - before["stress"]).max() < 1e-5 * np.abs(before["stress"]).max()
+    same_pet_after(lambda pet: len(swap_feed_forwards(pet)) > 0)
     print("interpreter swiglu ok")
     """
 )
