@@ -25,8 +25,8 @@ from ase.stress import full_3x3_to_voigt_6_stress
 
 from . import watchdog
 from .attention import on_tensor_cores, swap_attention_blocks
-from .fused import swap_feed_forwards
 from .compilation import compile_backend
+from .fused import swap_feed_forwards
 from .layers import EMULATED, swap_linear_layers
 from .lean import LeanPET
 from .models import import_dependencies, load_pet, recompute_gnn_layers

@@ -95,8 +95,6 @@ class TCPETDriver(Dummy_driver):
         here, before i-PI sends anything."""
         import ase.io
 
-        from ase_tcfp32.calculator import TCPETCalculator  # absolute: i-PI loads this file by its path
-
         if self.args:
             raise ValueError(f"the tcpet driver takes key=value options only, not {self.args!r}")
         if self.kwargs:
@@ -114,16 +112,24 @@ class TCPETDriver(Dummy_driver):
                 raise ValueError(f"the tcpet driver's neighbor_skin is a distance in Å, not {skin!r}") from None
         self._devices = [d.strip() for d in str(self.device).split(";")] if self.device not in (None, "", "None") else [None]
         self._skin = skin
-        self.calculators = [TCPETCalculator(self.model, precision=self.precision, device=d, engine=self.engine,
-                                            neighbor_skin=skin) for d in self._devices]  # fmt: skip
+        self.calculators = self._calculators(self.engine, skin, "calculators")
         self.calculators[0].check_atoms(self.template, ["energy", "forces"])
         self._short: list | None = None  # the calculators of batches short of requests, made when one comes
         self.requests, self.padded = 0, 0
         atexit.register(self._report)
         self._pool = ThreadPoolExecutor(len(self._devices)) if len(self._devices) > 1 else None
         self._slots: list = []  # one Atoms per place in a batch, refilled by each request
+
+    def _calculators(self, engine: str, skin: float | None, what: str) -> list:
+        """One calculator of the driver's model and precision per device (printed as
+        ``what`` with ``verbose``)."""
+        from ase_tcfp32.calculator import TCPETCalculator  # absolute: i-PI loads this file by its path
+
+        calculators = [TCPETCalculator(self.model, precision=self.precision, device=d, engine=engine,
+                                       neighbor_skin=skin) for d in self._devices]  # fmt: skip
         if self.verbose:
-            print("tcpet driver:", *map(repr, self.calculators), sep="\n  ", flush=True)
+            print(f"tcpet driver: {what}:", *map(repr, calculators), sep="\n  ", flush=True)
+        return calculators
 
     def _structure(self, k: int, cell: np.ndarray, positions: np.ndarray):
         """i-PI's cell (Bohr, vectors as columns) and positions (Bohr) of the ``k``-th
@@ -198,12 +204,9 @@ class TCPETDriver(Dummy_driver):
         model and precision, without CUDA graphs (``engine="lean"``, or the metatomic engine
         if the full batches use it) and a 0.5 Å skin unless one was given."""
         if self._short is None:
-            from ase_tcfp32.calculator import LARGE_SKIN, TCPETCalculator
+            from ase_tcfp32.calculator import LARGE_SKIN
 
             engine = "metatomic" if self.calculators[0].engine_used == "metatomic" else "lean"
             skin = LARGE_SKIN if self._skin is None else self._skin
-            self._short = [TCPETCalculator(self.model, precision=self.precision, device=d, engine=engine,
-                                           neighbor_skin=skin) for d in self._devices]  # fmt: skip
-            if self.verbose:
-                print("tcpet driver: calculators for short batches:", *map(repr, self._short), sep="\n  ", flush=True)
+            self._short = self._calculators(engine, skin, "calculators for short batches")
         return self._short

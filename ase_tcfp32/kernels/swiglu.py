@@ -10,8 +10,8 @@ backward reads ``y`` and ``dh`` once and writes ``dy`` [M, 2F] whole.
 
 Arithmetic as torch's CUDA kernels do it, in FP32: ``sigmoid(g) = 1 / (1 + exp(-g))``
 with libdevice's ``exp`` (CUDA's ``expf``: at most 2 units in the last place), not
-Triton's approximate one, ``dv = dh *
-s`` and ``dg = (dh * v) * (1 - s) * s``. Non-finite inputs propagate as in torch.
+Triton's approximate one; ``dv = dh * s`` and ``dg = (dh * v) * (1 - s) * s``. Non-finite
+inputs propagate as in torch.
 """
 
 from __future__ import annotations
