@@ -366,9 +366,9 @@ class LeanPET:
 
     def pair_vectors(self, positions: torch.Tensor) -> torch.Tensor:
         """The vectors [capacity, 3] (Å) from each pair's centre to its neighbour's image,
-        for the positions [N, 3] (zero for the padding); see :class:`_PairVectors`."""
+        for the positions [N, 3] (zero for the padding); see :class:`_PairTerms`."""
         pairs = self.pairs
-        return _PairVectors.apply(positions, pairs.centers, pairs.neighbors, pairs.offsets, pairs.reverse, pairs.first)
+        return _PairTerms.apply(positions, pairs.centers, pairs.neighbors, pairs.reverse, pairs.first, -1.0) + pairs.offsets
 
     def neighbour_table(self, vectors: torch.Tensor, numbers: torch.Tensor, columns: torch.Tensor) -> tuple:
         """PET's input tensors (its ``batch_data``: [N, J] tables of the kept pairs) and the
@@ -387,7 +387,7 @@ class LeanPET:
             else:
                 atomic = self._adaptive_cutoffs(pairs.centers, distances, backend.num_neighbors_adaptive, n,
                                                 backend.cutoff, cutoff_width=self.pet.cutoff_width_adaptive)  # fmt: skip
-            pair_cutoffs = (atomic.index_select(0, pairs.centers) + atomic.index_select(0, pairs.neighbors)) / 2.0
+            pair_cutoffs = _PairTerms.apply(atomic, pairs.centers, pairs.neighbors, pairs.reverse, pairs.first, 1.0) / 2.0
         else:
             pair_cutoffs = torch.full_like(distances, backend.cutoff)
         keep = (distances <= pair_cutoffs) & pairs.valid
@@ -397,7 +397,8 @@ class LeanPET:
         kept = keep.long()
         before = torch.cumsum(kept, 0) - kept
         column = before - before[pairs.first[pairs.centers]]
-        counts = torch.zeros(n, dtype=torch.long, device=kept.device).scatter_add_(0, pairs.centers, kept)
+        kept_before = torch.cat([before, before[-1:] + kept[-1:]])  # [capacity + 1]: kept pairs before pair k
+        counts = kept_before[pairs.first[1:]] - kept_before[pairs.first[:-1]]
         slot = torch.where(keep & (column < width), pairs.centers * width + column, n * width)
         pair_at = torch.full((n * width + 1,), capacity, dtype=torch.long, device=kept.device)
         pair_at = pair_at.scatter_(0, slot, torch.arange(capacity, device=kept.device))[: n * width]
@@ -509,24 +510,26 @@ class LeanPET:
         return self._graph.replay(positions, cells, numbers, system)
 
 
-class _PairVectors(torch.autograd.Function):
-    """``v_k = x[j_k] - x[i_k] + offset_k`` for pairs sorted by centre atom, each with its
-    reverse pair (j -> i, opposite shift; the padding pairs are their own reverse and get
-    no gradient). Atom a's gradient is the sum over its own pairs k of ``g[reverse[k]] -
-    g[k]``: a gather and one segment sum instead of two scatter-adds of every pair's
-    gradient onto the atoms, whose atomic additions queue on each atom's three numbers
-    (~250 pairs per atom at 17,280 water atoms with the 0.5 Å skin)."""
+class _PairTerms(torch.autograd.Function):
+    """``y_k = x[j_k] + sign * x[i_k]`` for atom values x [N, ...] and pairs i -> j sorted
+    by centre atom, each with its reverse pair (j -> i; the padding pairs, centre 0, are
+    their own reverse and get no gradient). Atom a's gradient is the sum over its own
+    pairs k of ``g[reverse[k]] + sign * g[k]``: a gather and one segment sum instead of two
+    scatter-adds of every pair's gradient onto the atoms, whose atomic additions queue on
+    each atom's numbers (~250 pairs per atom at 17,280 water atoms with the 0.5 Å skin, and
+    all the padding on atom 0)."""
 
     @staticmethod
-    def forward(ctx, positions, centers, neighbors, offsets, reverse, first):
+    def forward(ctx, values, centers, neighbors, reverse, first, sign: float):
         ctx.save_for_backward(reverse, first)
-        return positions.index_select(0, neighbors) - positions.index_select(0, centers) + offsets
+        ctx.sign = sign
+        return values.index_select(0, neighbors) + sign * values.index_select(0, centers)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         reverse, first = ctx.saved_tensors  # first [N + 1]: the padding after first[N] is left out
-        per_pair = grad.index_select(0, reverse) - grad
+        per_pair = grad.index_select(0, reverse) + ctx.sign * grad
         return torch.segment_reduce(per_pair, "sum", offsets=first, axis=0), None, None, None, None, None
 
 

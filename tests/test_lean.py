@@ -193,14 +193,15 @@ def test_a_batch_of_different_structures(tiny_ckpt, water, pt_bulk, ethanol):
         calc.evaluate([water, broken])
 
 
-def test_pair_vectors_backward_sums_each_atoms_pairs_and_their_reverses(water, pt_bulk, ethanol):
-    """The gradient of the pair vectors' function (a gather by reverse pair and a segment
-    sum per centre) is the scatter-add of every pair's gradient onto its two atoms, in
-    float64 to rounding: a batch with periodic self-images, a molecule and an isolated
-    atom (an empty segment), padding included."""
+def test_pair_terms_backward_sums_each_atoms_pairs_and_their_reverses(water, pt_bulk, ethanol):
+    """The gradients of the pair vectors ``x[j] - x[i]`` and of the pair cutoffs' sums
+    ``r[i] + r[j]`` (a gather by reverse pair and a segment sum per centre) are the
+    scatter-adds of every pair's gradient onto its two atoms, in float64 to rounding: a
+    batch with periodic self-images, a molecule and an isolated atom (an empty segment),
+    padding included."""
     from ase import Atoms
 
-    from ase_tcfp32.lean import Structures, build_pairs
+    from ase_tcfp32.lean import Structures, _PairTerms, build_pairs
 
     lone = Atoms("O", positions=[[0.0, 0.0, 0.0]])
     batch = Structures.of([water, pt_bulk, lone, ethanol])
@@ -216,6 +217,14 @@ def test_pair_vectors_backward_sums_each_atoms_pairs_and_their_reverses(water, p
     assert pairs.count < pairs.valid.numel() and torch.equal(ours[len(water) + len(pt_bulk)], torch.zeros(3, dtype=torch.float64))
     assert torch.allclose(ours, expected, rtol=0, atol=1e-12 * float(expected.abs().max()))
     assert not torch.equal(ours, torch.zeros_like(ours))
+
+    cutoffs = torch.rand(len(positions), dtype=torch.float64, generator=g).requires_grad_()
+    sums = _PairTerms.apply(cutoffs, pairs.centers, pairs.neighbors, pairs.reverse, pairs.first, 1.0)
+    (ours,) = torch.autograd.grad((sums * weights[:, 0]).sum(), cutoffs)
+    plain = cutoffs.index_select(0, pairs.centers) + cutoffs.index_select(0, pairs.neighbors)
+    assert torch.equal(sums, plain)
+    (expected,) = torch.autograd.grad((plain * weights[:, 0]).sum(), cutoffs)
+    assert torch.allclose(ours, expected, rtol=0, atol=1e-12 * float(expected.abs().max()))
 
 
 def test_all_pairs_of_small_cells_are_vesins(water, pt_bulk):

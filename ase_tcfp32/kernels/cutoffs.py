@@ -110,6 +110,6 @@ def adaptive_cutoffs(centers: torch.Tensor, distances: torch.Tensor, first: torc
     (its ``cutoff_func_bump``), clamped to [max_cutoff / 16, max_cutoff]."""
     roots = _solve_op if torch.compiler.is_compiling() else solve
     r, dn = roots(distances.detach(), first, float(target), float(max_cutoff), float(width))
-    counts = torch.zeros_like(r).index_add_(0, centers, bump(distances, r[centers], width))
+    counts = torch.segment_reduce(bump(distances, r[centers], width), "sum", offsets=first, axis=0)  # no atomics
     residual = counts + target * (r / max_cutoff).pow(3) - target
     return (r - residual / dn.clamp_min(1e-6)).clamp(max_cutoff / 16.0, max_cutoff)
