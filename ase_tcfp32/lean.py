@@ -394,14 +394,12 @@ class LeanPET:
         factors = self._cutoff_function(distances, pair_cutoffs, backend.cutoff_width)
 
         # pair k goes to row centers[k], column = the kept pairs before it in its row
-        kept = keep.long()
-        before = torch.cumsum(kept, 0) - kept
-        column = before - before[pairs.first[pairs.centers]]
-        kept_before = torch.cat([before, before[-1:] + kept[-1:]])  # [capacity + 1]: kept pairs before pair k
-        counts = kept_before[pairs.first[1:]] - kept_before[pairs.first[:-1]]
+        before = torch.nn.functional.pad(torch.cumsum(keep.long(), 0), (1, 0))  # [capacity + 1]: kept pairs before pair k
+        column = before[:-1] - before[pairs.first[pairs.centers]]
+        counts = before[pairs.first[1:]] - before[pairs.first[:-1]]
         slot = torch.where(keep & (column < width), pairs.centers * width + column, n * width)
-        pair_at = torch.full((n * width + 1,), capacity, dtype=torch.long, device=kept.device)
-        pair_at = pair_at.scatter_(0, slot, torch.arange(capacity, device=kept.device))[: n * width]
+        pair_at = torch.full((n * width + 1,), capacity, dtype=torch.long, device=keep.device)
+        pair_at = pair_at.scatter_(0, slot, torch.arange(capacity, device=keep.device))[: n * width]
         mask = pair_at < capacity
         unique_padding = torch.cumsum((~mask).long(), 0) - 1  # distinct indices: a fast index backward
         spread = torch.where(mask, pair_at, unique_padding % capacity)  # padding reads distinct rows
