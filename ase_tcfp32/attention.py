@@ -17,14 +17,13 @@ with a :class:`UserWarning` saying why, for sequences longer than the kernels ta
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from .kernels.context import INTERPRETED
-from .models import swap_class
+from .models import lazy_subclass, swap_class
 from .precision import FP32_ACCURATE, triton_build_problem
 
 
@@ -125,22 +124,10 @@ def _forward(self, x: torch.Tensor, cutoff_factors: torch.Tensor, use_manual_att
     return self.output_linear(out)
 
 
-@functools.cache
-def _classes() -> tuple[type, type]:
-    """metatrain's ``AttentionBlock`` and our subclass (made on first use: importing
-    metatrain takes seconds, and ``import ase_tcfp32`` must not)."""
-    from metatrain.pet.modules.transformer import AttentionBlock
-
-    block = type("TCAttentionBlock", (AttentionBlock,), {
-        "__module__": __name__, "_warned_fallback": False, "forward": _forward,
-        "__doc__": "metatrain's AttentionBlock with its attention in :func:`tc_attention`."})  # fmt: skip
-    return AttentionBlock, block
-
-
-def __getattr__(name: str):
-    if name == "TCAttentionBlock":  # found by name: pickling a swapped model works
-        return _classes()[1]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+_classes, __getattr__ = lazy_subclass(
+    __name__, "TCAttentionBlock", "metatrain.pet.modules.transformer.AttentionBlock", _warned_fallback=False,
+    forward=_forward, __doc__="metatrain's AttentionBlock with its attention in :func:`tc_attention`.")  # fmt: skip
+"""metatrain's ``AttentionBlock`` and ``TCAttentionBlock``, our subclass (:func:`ase_tcfp32.models.lazy_subclass`)."""
 
 
 def on_tensor_cores(precision: str, device: torch.device | str) -> bool:

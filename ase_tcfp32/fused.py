@@ -16,13 +16,11 @@ activation is metatrain's expression, which the compiler fuses itself.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch.autograd.function import once_differentiable
 
 from .kernels.context import INTERPRETED
-from .models import swap_class
+from .models import lazy_subclass, swap_class
 
 
 def _kernels():
@@ -61,22 +59,10 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.w_out(swiglu(self.w_in(x)))
 
 
-@functools.cache
-def _classes() -> tuple[type, type]:
-    """metatrain's ``FeedForward`` and our subclass (made on first use: importing metatrain
-    takes seconds, and ``import ase_tcfp32`` must not)."""
-    from metatrain.pet.modules.transformer import FeedForward
-
-    fused = type("FusedFeedForward", (FeedForward,), {
-        "__module__": __name__, "forward": _forward,
-        "__doc__": "metatrain's FeedForward with its SwiGLU in :func:`swiglu`."})  # fmt: skip
-    return FeedForward, fused
-
-
-def __getattr__(name: str):
-    if name == "FusedFeedForward":  # found by name: pickling a swapped model works
-        return _classes()[1]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+_classes, __getattr__ = lazy_subclass(
+    __name__, "FusedFeedForward", "metatrain.pet.modules.transformer.FeedForward", forward=_forward,
+    __doc__="metatrain's FeedForward with its SwiGLU in :func:`swiglu`.")  # fmt: skip
+"""metatrain's ``FeedForward`` and ``FusedFeedForward``, our subclass (:func:`ase_tcfp32.models.lazy_subclass`)."""
 
 
 def swap_feed_forwards(module: torch.nn.Module, enable: bool = True) -> list[str]:

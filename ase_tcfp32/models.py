@@ -10,6 +10,8 @@ is used, and without one the error says how to pass a local checkpoint.
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import importlib.util
 import os
 import re
@@ -293,6 +295,27 @@ class Recomputed(torch.nn.Module):
         if not torch.is_grad_enabled():
             return self.module(*args)
         return torch.utils.checkpoint.checkpoint(self.module, *args, use_reentrant=False)
+
+
+def lazy_subclass(module: str, name: str, base: str, **attributes) -> tuple:
+    """``(classes, getattr)`` for the subclass ``name`` of metatrain's class ``base`` (a dotted
+    path) with ``attributes``, defined in ``module``. ``classes()`` imports ``base`` and makes
+    the subclass on first use (importing metatrain takes seconds, and ``import ase_tcfp32``
+    must not), then returns ``(base class, subclass)``; ``getattr`` is ``module``'s
+    ``__getattr__``, which finds the subclass by name, so that pickling a swapped model works."""
+
+    @functools.cache
+    def classes() -> tuple[type, type]:
+        path, _, base_name = base.rpartition(".")
+        plain = getattr(importlib.import_module(path), base_name)
+        return plain, type(name, (plain,), {"__module__": module, **attributes})
+
+    def module_getattr(attribute: str):
+        if attribute == name:
+            return classes()[1]
+        raise AttributeError(f"module {module!r} has no attribute {attribute!r}")
+
+    return classes, module_getattr
 
 
 def swap_class(module: torch.nn.Module, plain: type, ours: type, enable: bool, takes=lambda child: True) -> list[str]:
