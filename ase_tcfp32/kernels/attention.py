@@ -27,7 +27,10 @@ On the H200: 2.2x torch's FP32 SDPA forward + backward at PET-S's shapes
 
 Layouts, as PET's projections read and write them (no transposed copies):
 ``qkv`` [B*T, 3*H*D] (query, key, value of head h at columns ``h*D``, ``C + h*D``,
-``2C + h*D`` with C = H*D), ``out`` [B*T, C], ``mask`` [B, T, T].
+``2C + h*D`` with C = H*D), ``out`` [B*T, C], ``mask`` [B, T, T]. A head whose width is
+not a power of two is read as two chunks that are (:func:`head_columns`: PET-M's 48 = 32 +
+16), each product of the head being the sum of the chunks' products, rather than padded
+with zero columns.
 """
 
 from __future__ import annotations
@@ -57,6 +60,22 @@ def _dot3(a, b):
     small = tl.dot(a_lo, b_hi, input_precision="tf32")
     small = tl.dot(a_hi, b_lo, small, input_precision="tf32")
     return tl.dot(a_hi, b_hi, input_precision="tf32") + small
+
+
+@triton.jit
+def _dot3_chunks(a, b, a2, b2):
+    """``a @ b + a2 @ b2`` in TF32x3, each sum chained in one accumulator as in :func:`_dot3`
+    (a head read in two column chunks: the same products as one of their summed width)."""
+    a_hi, a_lo = _split(a)
+    b_hi, b_lo = _split(b)
+    a2_hi, a2_lo = _split(a2)
+    b2_hi, b2_lo = _split(b2)
+    small = tl.dot(a_lo, b_hi, input_precision="tf32")
+    small = tl.dot(a_hi, b_lo, small, input_precision="tf32")
+    small = tl.dot(a2_lo, b2_hi, small, input_precision="tf32")
+    small = tl.dot(a2_hi, b2_lo, small, input_precision="tf32")
+    big = tl.dot(a_hi, b_hi, input_precision="tf32")
+    return tl.dot(a2_hi, b2_hi, big, input_precision="tf32") + small
 
 
 @triton.jit
@@ -96,81 +115,111 @@ def _scores_bias(mask_ptr, T, row, real, seq, atom, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _program_block(mask_ptr, B, T, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr):
-    """This program's block: token rows [BLOCK], the scores' bias [BLOCK, BLOCK] (with the
-    mask's offsets and where it applies), head columns [DP] and the real [BLOCK, DP] entries."""
+def _program_block(mask_ptr, B, T, BLOCK: tl.constexpr):
+    """This program's block: token rows [BLOCK], which are real, and the scores' bias
+    [BLOCK, BLOCK] (with the mask's offsets and where it applies)."""
     row, real, seq, atom = _block(tl.program_id(0), B, T, BLOCK)
     bias, offsets, same = _scores_bias(mask_ptr, T, row, real, seq, atom, BLOCK)
+    return row, real, bias, offsets, same
+
+
+@triton.jit
+def _columns(row, real, first: tl.constexpr, width: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+    """Offsets [BLOCK, DP] of the columns ``first .. first + DP - 1`` of the block's rows of a
+    row-major [rows, width] tensor, and where they are real (``first + DP`` past ``D``: padding)."""
     d = tl.arange(0, DP)
-    return row, bias, offsets, same, d, real[:, None] & (d < D)[None, :]
+    return row[:, None] * width + (first + d)[None, :], real[:, None] & (first + d < D)[None, :]
 
 
 @triton.jit
-def _rows(ptr, row, d, width: tl.constexpr):
-    """Pointers [BLOCK, DP] to the first ``DP`` columns of the block's ``row``s of a
-    row-major [rows, width] tensor."""
-    return ptr + row[:, None] * width + d[None, :]
-
-
-@triton.jit
-def _head(inputs, h, C: tl.constexpr, D: tl.constexpr, io):
-    """Head ``h``'s queries, keys and values [BLOCK, DP] (zero outside ``io``), ``inputs``
-    pointing at the block's rows of qkv [B*T, 3*C]."""
-    q = tl.load(inputs + h * D, mask=io, other=0.0)
-    k = tl.load(inputs + (C + h * D), mask=io, other=0.0)
-    v = tl.load(inputs + (2 * C + h * D), mask=io, other=0.0)
+def _head(qkv_ptr, offsets, io, h, C: tl.constexpr, D: tl.constexpr):
+    """Head ``h``'s queries, keys and values at ``offsets`` of the head's columns in qkv
+    [B*T, 3*C] (:func:`_columns`), zero outside ``io``."""
+    inputs = qkv_ptr + h * D + offsets
+    q = tl.load(inputs, mask=io, other=0.0)
+    k = tl.load(inputs + C, mask=io, other=0.0)
+    v = tl.load(inputs + 2 * C, mask=io, other=0.0)
     return q, k, v
 
 
 @triton.jit
-def _scores_gradient(p, do, v):
-    """The gradient of the masked scores [BLOCK, BLOCK] (before the scale), from the
-    probabilities ``p``, the output gradient ``do`` and the values ``v``."""
-    dp = _dot3(do, tl.trans(v))
-    return p * (dp - tl.sum(p * dp, 1)[:, None])
-
-
-@triton.jit
-def _probabilities(q, k, bias, scale):
-    """softmax(scale * q k^T + bias) by rows, [BLOCK, BLOCK]."""
-    s = _dot3(q, tl.trans(k)) * scale + bias
+def _softmax(s):
+    """Softmax by rows of the scores [BLOCK, BLOCK]."""
     p = tl.exp(s - tl.max(s, 1)[:, None])
     return p / tl.sum(p, 1)[:, None]
 
 
 @triton.jit(do_not_specialize=["B", "T"])
 def _attention_forward(qkv_ptr, mask_ptr, out_ptr, B, T, scale,
-                       H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
+                       H: tl.constexpr, D: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, BLOCK: tl.constexpr,
                        STAGES: tl.constexpr):  # fmt: skip
-    row, bias, _, _, d, io = _program_block(mask_ptr, B, T, D, DP, BLOCK)
+    row, real, bias, _offsets, _same = _program_block(mask_ptr, B, T, BLOCK)
     C: tl.constexpr = H * D
-    inputs, outputs = _rows(qkv_ptr, row, d, 3 * C), _rows(out_ptr, row, d, C)
     for h in tl.range(0, H, num_stages=STAGES):
-        q, k, v = _head(inputs, h, C, D, io)
-        p = _probabilities(q, k, bias, scale)
-        tl.store(outputs + h * D, _dot3_exact_b(p, v), mask=io)
+        x_a, io_a = _columns(row, real, 0, 3 * C, D, DA)  # the head's first DA columns
+        o_a = _columns(row, real, 0, C, D, DA)[0]
+        q, k, v = _head(qkv_ptr, x_a, io_a, h, C, D)
+        if DB > 0:  # and its last DB columns
+            x_b, io_b = _columns(row, real, DA, 3 * C, D, DB)
+            o_b = _columns(row, real, DA, C, D, DB)[0]
+            q_b, k_b, v_b = _head(qkv_ptr, x_b, io_b, h, C, D)
+            s = _dot3_chunks(q, tl.trans(k), q_b, tl.trans(k_b))
+        else:
+            s = _dot3(q, tl.trans(k))
+        p = _softmax(s * scale + bias)
+        tl.store(out_ptr + h * D + o_a, _dot3_exact_b(p, v), mask=io_a)
+        if DB > 0:
+            tl.store(out_ptr + h * D + o_b, _dot3_exact_b(p, v_b), mask=io_b)
 
 
 @triton.jit(do_not_specialize=["B", "T"])
 def _attention_backward(qkv_ptr, mask_ptr, grad_out_ptr, grad_qkv_ptr, grad_mask_ptr, B, T, scale,
-                        H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
+                        H: tl.constexpr, D: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, BLOCK: tl.constexpr,
                         STAGES: tl.constexpr):  # fmt: skip
-    row, bias, offsets, same, d, io = _program_block(mask_ptr, B, T, D, DP, BLOCK)
+    row, real, bias, offsets, same = _program_block(mask_ptr, B, T, BLOCK)
     C: tl.constexpr = H * D
-    inputs, grads = _rows(qkv_ptr, row, d, 3 * C), _rows(grad_qkv_ptr, row, d, 3 * C)
-    grad_outputs = _rows(grad_out_ptr, row, d, C)
     grad_bias = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)  # summed over the heads
     for h in tl.range(0, H, num_stages=STAGES):
-        q, k, v = _head(inputs, h, C, D, io)
-        do = tl.load(grad_outputs + h * D, mask=io, other=0.0)
-        p = _probabilities(q, k, bias, scale)
-        tl.store(grads + (2 * C + h * D), _dot3(tl.trans(p), do), mask=io)  # dV = P^T dO
-        ds = _scores_gradient(p, do, v)
+        x_a, io_a = _columns(row, real, 0, 3 * C, D, DA)
+        o_a = _columns(row, real, 0, C, D, DA)[0]
+        q, k, v = _head(qkv_ptr, x_a, io_a, h, C, D)
+        do = tl.load(grad_out_ptr + h * D + o_a, mask=io_a, other=0.0)
+        if DB > 0:
+            x_b, io_b = _columns(row, real, DA, 3 * C, D, DB)
+            o_b = _columns(row, real, DA, C, D, DB)[0]
+            q_b, k_b, v_b = _head(qkv_ptr, x_b, io_b, h, C, D)
+            do_b = tl.load(grad_out_ptr + h * D + o_b, mask=io_b, other=0.0)
+            s = _dot3_chunks(q, tl.trans(k), q_b, tl.trans(k_b))
+        else:
+            s = _dot3(q, tl.trans(k))
+        p = _softmax(s * scale + bias)
+        grads = grad_qkv_ptr + h * D
+        tl.store(grads + 2 * C + x_a, _dot3(tl.trans(p), do), mask=io_a)  # dV = P^T dO
+        if DB > 0:
+            tl.store(grads + 2 * C + x_b, _dot3(tl.trans(p), do_b), mask=io_b)
+            dp = _dot3_chunks(do, tl.trans(v), do_b, tl.trans(v_b))
+        else:
+            dp = _dot3(do, tl.trans(v))
+        ds = p * (dp - tl.sum(p * dp, 1)[:, None])  # the gradient of the masked scores
         grad_bias += ds
         ds = ds * scale
-        tl.store(grads + h * D, _dot3(ds, k), mask=io)  # dQ
-        tl.store(grads + (C + h * D), _dot3(tl.trans(ds), q), mask=io)  # dK
+        tl.store(grads + x_a, _dot3(ds, k), mask=io_a)  # dQ
+        tl.store(grads + C + x_a, _dot3(tl.trans(ds), q), mask=io_a)  # dK
+        if DB > 0:
+            tl.store(grads + x_b, _dot3(ds, k_b), mask=io_b)
+            tl.store(grads + C + x_b, _dot3(tl.trans(ds), q_b), mask=io_b)
     tl.store(grad_mask_ptr + offsets, grad_bias, mask=same)
+
+
+def head_columns(head_dim: int) -> tuple[int, int]:
+    """``(DA, DB)``: the kernels read a head in two column chunks of powers of two, DA + DB =
+    ``head_dim`` (DB >= 16; PET-M's 48 = 32 + 16), or in one of DA >= ``head_dim`` columns
+    (DB = 0), padded with zeros when ``head_dim`` is not a power of two (24 -> 32)."""
+    first = max(16, triton.next_power_of_2(head_dim))
+    if first == head_dim or first == 16:
+        return first, 0
+    rest = head_dim - first // 2
+    return (first // 2, rest) if rest >= 16 and rest == triton.next_power_of_2(rest) else (first, 0)
 
 
 def max_tokens(head_dim: int) -> int:
@@ -206,7 +255,8 @@ def launch_shape(qkv: torch.Tensor, mask: torch.Tensor, heads: int, launch: dict
         raise ValueError(f"the attention kernels take at most {max_tokens(head_dim)} tokens with heads of {head_dim}, not {tokens}")
     c = launch or config(tokens, head_dim, backward)
     grid = (triton.cdiv(atoms, c["BLOCK"] // tokens),)
-    return atoms, tokens, head_dim, grid, dict(H=heads, D=head_dim, DP=max(16, triton.next_power_of_2(head_dim)), **c)
+    first, rest = head_columns(head_dim)
+    return atoms, tokens, head_dim, grid, dict(H=heads, D=head_dim, DA=first, DB=rest, **c)
 
 
 def forward(qkv: torch.Tensor, mask: torch.Tensor, heads: int, scale: float, launch: dict | None = None) -> torch.Tensor:

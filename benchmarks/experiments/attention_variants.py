@@ -31,40 +31,51 @@ import triton
 import triton.language as tl
 
 from ase_tcfp32.kernels import attention as fused
-from ase_tcfp32.kernels.attention import _dot3, _dot3_exact_b, _head, _probabilities, _program_block, _rows, _scores_gradient
+from ase_tcfp32.kernels.attention import _columns, _dot3, _dot3_exact_b, _head, _program_block, _softmax
+
+
+@triton.jit
+def _probabilities(q, k, bias, scale):
+    return _softmax(_dot3(q, tl.trans(k)) * scale + bias)
+
+
+@triton.jit
+def _scores_gradient(p, do, v):
+    dp = _dot3(do, tl.trans(v))
+    return p * (dp - tl.sum(p * dp, 1)[:, None])
 
 
 @triton.jit(do_not_specialize=["B", "T"])
 def _backward_dq(qkv_ptr, mask_ptr, grad_out_ptr, grad_qkv_ptr, grad_mask_ptr, B, T, scale,
                  H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
-    row, bias, offsets, same, d, io = _program_block(mask_ptr, B, T, D, DP, BLOCK)
+    row, real, bias, offsets, same = _program_block(mask_ptr, B, T, BLOCK)
     C: tl.constexpr = H * D
-    inputs, grads = _rows(qkv_ptr, row, d, 3 * C), _rows(grad_qkv_ptr, row, d, 3 * C)
-    grad_outputs = _rows(grad_out_ptr, row, d, C)
+    x, io = _columns(row, real, 0, 3 * C, D, DP)  # one chunk, padded (the package's layout when measured)
+    o, _ = _columns(row, real, 0, C, D, DP)
     grad_bias = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
     for h in tl.range(0, H, num_stages=STAGES):
-        q, k, v = _head(inputs, h, C, D, io)
-        do = tl.load(grad_outputs + h * D, mask=io, other=0.0)
+        q, k, v = _head(qkv_ptr, x, io, h, C, D)
+        do = tl.load(grad_out_ptr + h * D + o, mask=io, other=0.0)
         ds = _scores_gradient(_probabilities(q, k, bias, scale), do, v)
         grad_bias += ds
-        tl.store(grads + h * D, _dot3(ds * scale, k), mask=io)
+        tl.store(grad_qkv_ptr + h * D + x, _dot3(ds * scale, k), mask=io)
     tl.store(grad_mask_ptr + offsets, grad_bias, mask=same)
 
 
 @triton.jit(do_not_specialize=["B", "T"])
 def _backward_dkdv(qkv_ptr, mask_ptr, grad_out_ptr, grad_qkv_ptr, B, T, scale,
                    H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
-    row, bias, _, _, d, io = _program_block(mask_ptr, B, T, D, DP, BLOCK)
+    row, real, bias, _, _ = _program_block(mask_ptr, B, T, BLOCK)
     C: tl.constexpr = H * D
-    inputs, grads = _rows(qkv_ptr, row, d, 3 * C), _rows(grad_qkv_ptr, row, d, 3 * C)
-    grad_outputs = _rows(grad_out_ptr, row, d, C)
+    x, io = _columns(row, real, 0, 3 * C, D, DP)
+    o, _ = _columns(row, real, 0, C, D, DP)
     for h in tl.range(0, H, num_stages=STAGES):
-        q, k, v = _head(inputs, h, C, D, io)
-        do = tl.load(grad_outputs + h * D, mask=io, other=0.0)
+        q, k, v = _head(qkv_ptr, x, io, h, C, D)
+        do = tl.load(grad_out_ptr + h * D + o, mask=io, other=0.0)
         p = _probabilities(q, k, bias, scale)
-        tl.store(grads + (2 * C + h * D), _dot3(tl.trans(p), do), mask=io)
+        tl.store(grad_qkv_ptr + h * D + 2 * C + x, _dot3(tl.trans(p), do), mask=io)
         ds = _scores_gradient(p, do, v)
-        tl.store(grads + (C + h * D), _dot3(tl.trans(ds * scale), q), mask=io)
+        tl.store(grad_qkv_ptr + h * D + C + x, _dot3(tl.trans(ds * scale), q), mask=io)
 
 
 @triton.jit
@@ -153,7 +164,9 @@ def per_head_backward(grad_out, qkv, mask, heads, scale):
 
 
 def split_backward(grad_out, qkv, mask, heads, scale, launch):
-    atoms, tokens, _, grid, constants = fused.launch_shape(qkv, mask, heads, launch)
+    atoms, tokens, head_dim, grid, constants = fused.launch_shape(qkv, mask, heads, launch)
+    constants = dict(H=heads, D=head_dim, DP=max(16, triton.next_power_of_2(head_dim)), BLOCK=constants["BLOCK"],
+                     STAGES=constants["STAGES"], num_warps=constants["num_warps"])  # fmt: skip
     grad_qkv, grad_mask = torch.empty_like(qkv), torch.empty_like(mask)
     _backward_dq[grid](qkv, mask, grad_out, grad_qkv, grad_mask, atoms, tokens, scale, **constants)
     _backward_dkdv[grid](qkv, mask, grad_out, grad_qkv, atoms, tokens, scale, **constants)
@@ -169,7 +182,8 @@ def compile_only() -> None:
     scalars = {"B": "i32", "T": "i32", "scale": "fp32"}
     tail = {**scalars, **{k: "constexpr" for k in ("H", "D", "DP", "BLOCK", "STAGES")}}
     per_head = {**scalars, **{k: "constexpr" for k in ("H", "D", "DP", "BLOCK")}}
-    kernels = [("fused", fused._attention_backward, {**common, "grad_mask_ptr": "*fp32", **tail}, True),
+    package = {**scalars, **{k: "constexpr" for k in ("H", "D", "DA", "DB", "BLOCK", "STAGES")}}
+    kernels = [("package", fused._attention_backward, {**common, "grad_mask_ptr": "*fp32", **package}, True),
                ("split dQ", _backward_dq, {**common, "grad_mask_ptr": "*fp32", **tail}, True),
                ("split dK dV", _backward_dkdv, {**common, **tail}, True),
                ("per head, backward", _backward_per_head, {**common, "parts_ptr": "*fp32", **per_head}, False),
@@ -177,8 +191,10 @@ def compile_only() -> None:
     for head_dim in (32, 48):
         launch = fused.config(40, head_dim, backward=True)
         for name, kernel, signature, looped in kernels:
-            constants = dict(H=8, D=head_dim, DP=triton.next_power_of_2(head_dim), BLOCK=launch["BLOCK"])
+            constants = dict(H=8, D=head_dim, BLOCK=launch["BLOCK"])
             constants.update(STAGES=launch["STAGES"]) if looped else None
+            first, rest = fused.head_columns(head_dim)
+            constants.update(DA=first, DB=rest) if kernel is fused._attention_backward else constants.update(DP=triton.next_power_of_2(head_dim))
             compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants), target=TARGET,
                                       options=dict(num_warps=launch["num_warps"]))  # fmt: skip
             print(f"heads of {head_dim}, {name}: {structure(compiled)}")
