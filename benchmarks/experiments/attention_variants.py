@@ -10,6 +10,8 @@ gradient at once and spills at 255 registers (kernel notes, sessions 12 and 18).
 - **split**: the backward in two kernels, A computing dQ and the mask gradient, B dK and
   dV; each recomputes P and dP (21 TF32x3 products against 15, Q/K/V/dO read twice) with
   about half the live tiles.
+- **padded** (PET-M): the package's kernels with a head of 48 padded to 64 columns, as before
+  heads were read in two power-of-two chunks (32 + 16).
 - **per head**: one program per (block, head), no loop and no loop-carried mask gradient
   (offsets from a per-block base in int32); the backward writes each head's mask gradient
   [H, B, T, T] and torch sums them. Forward 199 registers and no spills, backward 100 bytes
@@ -163,6 +165,27 @@ def per_head_backward(grad_out, qkv, mask, heads, scale):
     return grad_qkv, parts.sum(0)
 
 
+def padded(qkv, mask, heads, backward: bool) -> tuple:
+    """The package's grid and constants with the head read as one chunk padded to a power of
+    two (the layout before heads were read in two chunks)."""
+    atoms, tokens, head_dim, grid, constants = fused.launch_shape(qkv, mask, heads, backward=backward)
+    return atoms, tokens, grid, dict(constants, DA=max(16, triton.next_power_of_2(head_dim)), DB=0)
+
+
+def padded_forward(qkv, mask, heads, scale):
+    atoms, tokens, grid, constants = padded(qkv, mask, heads, backward=False)
+    out = qkv.new_empty(atoms, tokens, qkv.shape[2] // 3)
+    fused._attention_forward[grid](qkv, mask, out, atoms, tokens, scale, **constants)
+    return out
+
+
+def padded_backward(grad_out, qkv, mask, heads, scale):
+    atoms, tokens, grid, constants = padded(qkv, mask, heads, backward=True)
+    grad_qkv, grad_mask = torch.empty_like(qkv), torch.empty_like(mask)
+    fused._attention_backward[grid](qkv, mask, grad_out, grad_qkv, grad_mask, atoms, tokens, scale, **constants)
+    return grad_qkv, grad_mask
+
+
 def split_backward(grad_out, qkv, mask, heads, scale, launch):
     atoms, tokens, head_dim, grid, constants = fused.launch_shape(qkv, mask, heads, launch)
     constants = dict(H=heads, D=head_dim, DP=max(16, triton.next_power_of_2(head_dim)), BLOCK=constants["BLOCK"],
@@ -220,8 +243,11 @@ def measure(out: str | None) -> None:
                "fused_bwd_ms": time(lambda: fused.backward(grad, qkv, mask, HEADS, scale)),
                "split_bwd_ms": time(lambda: split_backward(grad, qkv, mask, HEADS, scale, launch)),
                "per_head_fwd_ms": time(lambda: per_head_forward(qkv, mask, HEADS, scale)),
-               "per_head_bwd_ms": time(lambda: per_head_backward(grad, qkv, mask, HEADS, scale))}  # fmt: skip
-        for name, found in (("split", (expected[0], *split_backward(grad, qkv, mask, HEADS, scale, launch))),
+               "per_head_bwd_ms": time(lambda: per_head_backward(grad, qkv, mask, HEADS, scale)),
+               "padded_fwd_ms": time(lambda: padded_forward(qkv, mask, HEADS, scale)),
+               "padded_bwd_ms": time(lambda: padded_backward(grad, qkv, mask, HEADS, scale))}  # fmt: skip
+        for name, found in (("padded", (padded_forward(qkv, mask, HEADS, scale), *padded_backward(grad, qkv, mask, HEADS, scale))),
+                            ("split", (expected[0], *split_backward(grad, qkv, mask, HEADS, scale, launch))),
                             ("per_head", (per_head_forward(qkv, mask, HEADS, scale), *per_head_backward(grad, qkv, mask, HEADS, scale)))):  # fmt: skip
             # relative differences from the package's output, dqkv and dmask
             row[f"{name}_difference"] = [((a - b).norm() / b.norm()).item() for a, b in zip(found, expected)]
