@@ -206,18 +206,20 @@ def compile_only() -> None:
     tail = {**scalars, **{k: "constexpr" for k in ("H", "D", "DP", "BLOCK", "STAGES")}}
     per_head = {**scalars, **{k: "constexpr" for k in ("H", "D", "DP", "BLOCK")}}
     package = {**scalars, **{k: "constexpr" for k in ("H", "D", "DA", "DB", "BLOCK", "STAGES")}}
-    kernels = [("package", fused._attention_backward, {**common, "grad_mask_ptr": "*fp32", **package}, True),
+    kernels = [("package, forward", fused._attention_forward, {"qkv_ptr": "*fp32", "mask_ptr": "*fp32", "out_ptr": "*fp32", **package}, True),
+               ("package", fused._attention_backward, {**common, "grad_mask_ptr": "*fp32", **package}, True),
                ("split dQ", _backward_dq, {**common, "grad_mask_ptr": "*fp32", **tail}, True),
                ("split dK dV", _backward_dkdv, {**common, **tail}, True),
                ("per head, backward", _backward_per_head, {**common, "parts_ptr": "*fp32", **per_head}, False),
                ("per head, forward", _forward_per_head, {"qkv_ptr": "*fp32", "mask_ptr": "*fp32", "out_ptr": "*fp32", **per_head}, False)]  # fmt: skip
     for head_dim in (32, 48):
-        launch = fused.config(40, head_dim, backward=True)
         for name, kernel, signature, looped in kernels:
+            launch = fused.config(40, head_dim, backward=kernel is not fused._attention_forward)
             constants = dict(H=8, D=head_dim, BLOCK=launch["BLOCK"])
             constants.update(STAGES=launch["STAGES"]) if looped else None
             first, rest = fused.head_columns(head_dim)
-            constants.update(DA=first, DB=rest) if kernel is fused._attention_backward else constants.update(DP=triton.next_power_of_2(head_dim))
+            package_kernel = kernel in (fused._attention_forward, fused._attention_backward)
+            constants.update(DA=first, DB=rest) if package_kernel else constants.update(DP=triton.next_power_of_2(head_dim))
             compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants), target=TARGET,
                                       options=dict(num_warps=launch["num_warps"]))  # fmt: skip
             print(f"heads of {head_dim}, {name}: {structure(compiled)}")
