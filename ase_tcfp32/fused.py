@@ -1,4 +1,6 @@
-"""PET's SwiGLU in one kernel each way: :func:`swiglu` and the feed-forward swap.
+"""PET's memory-bound stages in one kernel each way: the SwiGLU activation
+(:func:`swiglu`) and the combination of messages between GNN layers
+(:func:`combine_messages`), each with the swap that puts it into a model.
 
 metatrain's ``FeedForward`` with ``activation="SwiGLU"`` (every PET-MAD and uPET model)
 computes ``w_out(v * sigmoid(g))`` with ``v, g = w_in(x).chunk(2, -1)``: six memory-bound
@@ -8,10 +10,17 @@ feed-forward width). :func:`swap_feed_forwards` turns every such module of a mod
 changes) whose activation runs :mod:`ase_tcfp32.kernels.swiglu`: one pass forward, one
 backward, with the same FP32 arithmetic.
 
+Between GNN layers, metatrain's feed-forward featurizer normalises each message next to
+its reverse pair's, ``LayerNorm(cat(o, o[reverse]))``: a gather, a ``cat``, the norm, and
+backward the norm's gradient, a split and an ``index_add``, over tensors of edge tokens
+times 2 d_pet. :func:`swap_backends` turns a model's ``PETBackend`` into a
+``FusedPETBackend`` whose featurizer runs that step through
+:mod:`ase_tcfp32.kernels.combination`: one pass forward, one backward.
+
 The calculator swaps them where it runs PET's attention on tensor cores
 (:func:`ase_tcfp32.attention.on_tensor_cores`): ``fp32`` and ``tf32`` keep metatrain's
-code. Inside ``torch.compile`` and on CPU tensors (Triton's interpreter aside) the
-activation is metatrain's expression, which the compiler fuses itself.
+code. Inside ``torch.compile`` and on CPU tensors (Triton's interpreter aside) both are
+metatrain's expressions, which the compiler fuses itself.
 """
 
 from __future__ import annotations
@@ -30,6 +39,19 @@ def _kernels():
     return kernels
 
 
+def _combination_kernels():
+    """:mod:`ase_tcfp32.kernels.combination`, imported on first use."""
+    from .kernels import combination
+
+    return combination
+
+
+def _on_kernels(x: torch.Tensor) -> bool:
+    """Whether our kernels take ``x``: float32 on CUDA (or on CPU under Triton's
+    interpreter), outside ``torch.compile``."""
+    return x.dtype == torch.float32 and not torch.compiler.is_compiling() and (x.is_cuda or INTERPRETED)
+
+
 class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y):
@@ -46,7 +68,7 @@ class _SwiGLUFunction(torch.autograd.Function):
 def swiglu(y: torch.Tensor) -> torch.Tensor:
     """``v * sigmoid(g)`` [..., F] for ``y = [v, g]`` [..., 2F] (PET's SwiGLU after its input
     projection), differentiable; one kernel each way for float32 CUDA tensors."""
-    if y.dtype != torch.float32 or torch.compiler.is_compiling() or not (y.is_cuda or INTERPRETED):
+    if not _on_kernels(y):
         v, g = y.chunk(2, dim=-1)
         return v * torch.sigmoid(g)
     return _SwiGLUFunction.apply(y.contiguous())
@@ -59,7 +81,7 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.w_out(swiglu(self.w_in(x)))
 
 
-_classes, __getattr__ = lazy_subclass(
+_classes, _feed_forward_getattr = lazy_subclass(
     __name__, "FusedFeedForward", "metatrain.pet.modules.transformer.FeedForward", forward=_forward,
     __doc__="metatrain's FeedForward with its SwiGLU in :func:`swiglu`.")  # fmt: skip
 """metatrain's ``FeedForward`` and ``FusedFeedForward``, our subclass (:func:`ase_tcfp32.models.lazy_subclass`)."""
@@ -70,3 +92,72 @@ def swap_feed_forwards(module: torch.nn.Module, enable: bool = True) -> list[str
     (``enable=False``: back to metatrain's code); return their names. Idempotent;
     parameters and state_dict keys are unchanged."""
     return swap_class(module, *_classes(), enable, takes=lambda child: child.is_swiglu)
+
+
+class _CombinationFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, o, reverse, weight, bias, eps):
+        y, mean, rstd = _combination_kernels().forward(o, reverse, weight, bias, eps)
+        ctx.save_for_backward(o, reverse, weight, mean, rstd)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y):
+        return _combination_kernels().backward(grad_y, *ctx.saved_tensors), None, None, None, None
+
+
+def combine_messages(o: torch.Tensor, reverse: torch.Tensor, norm: torch.nn.LayerNorm) -> torch.Tensor:
+    """``norm(cat([o, o[reverse]], -1))`` [N, J, 2D]: each of the messages ``o`` [N, J, D]
+    next to its reverse pair's, ``reverse`` [N, J] being the flat slot (``j + J * i``) of
+    slot (i, j)'s reverse and an involution (``reverse[reverse] == slots``: a padding slot
+    is its own reverse); differentiable with respect to ``o``. One kernel each way for
+    float32 CUDA tensors and a frozen ``norm``."""
+    rows = o.reshape(-1, o.shape[-1])
+    if not _on_kernels(o) or norm.weight is None or norm.weight.requires_grad or norm.bias.requires_grad:
+        return norm(torch.cat([o, rows[reverse.reshape(-1)].reshape(o.shape)], dim=-1))
+    return _CombinationFunction.apply(o.contiguous(), reverse.contiguous(), norm.weight, norm.bias, norm.eps)
+
+
+def _feedforward_featurization_impl(self, inputs: dict, use_manual_attention: bool) -> tuple:
+    """``PETBackend._feedforward_featurization_impl`` with each layer's message combination
+    in :func:`combine_messages`: the same modules, in the same order, on the same values
+    (the padding slots aside, each its own reverse here)."""
+    nodes = self.node_embedders[0](inputs["element_indices_nodes"])
+    edges = self.edge_embedder(inputs["element_indices_neighbors"])
+    conditioning = None
+    if self.system_conditioning is not None:
+        conditioning = self.system_conditioning(inputs["charge"], inputs["spin_multiplicity"], inputs["system_indices"])
+    mask = inputs["padding_mask"]
+    slots = torch.arange(mask.numel(), device=mask.device).reshape(mask.shape)
+    reverse = torch.where(mask, inputs["reverse_neighbor_index"], slots)  # the padding its own reverse: an involution
+    layers = (self.combination_norms, self.combination_mlps, self.gnn_layers, self.gnn_layers_post_mp_node,
+              self.gnn_layers_post_mp_edge)  # fmt: skip
+    for norm, mlp, gnn_layer, post_node, post_edge in zip(*layers, strict=True):
+        out_nodes, out_edges = gnn_layer(nodes, edges, inputs["element_indices_neighbors"], inputs["edge_vectors"], mask,
+                                         inputs["edge_distances"], inputs["cutoff_factors"], use_manual_attention)  # fmt: skip
+        if conditioning is not None:
+            out_nodes = out_nodes + conditioning
+        edges = edges + out_edges + mlp(combine_messages(out_edges, reverse, norm))
+        nodes, edges = post_node(out_nodes), post_edge(edges)
+    return [nodes], [edges]
+
+
+_backend_classes, _backend_getattr = lazy_subclass(
+    __name__, "FusedPETBackend", "metatrain.pet.modules.backend.PETBackend",
+    _feedforward_featurization_impl=_feedforward_featurization_impl,
+    __doc__="metatrain's PETBackend with its feed-forward featurizer's message combination in :func:`combine_messages`.")  # fmt: skip
+"""metatrain's ``PETBackend`` and ``FusedPETBackend``, our subclass."""
+
+
+def __getattr__(attribute: str):
+    """Pickling finds either subclass here (:func:`ase_tcfp32.models.lazy_subclass`)."""
+    return (_backend_getattr if attribute == "FusedPETBackend" else _feed_forward_getattr)(attribute)
+
+
+def swap_backends(module: torch.nn.Module, enable: bool = True) -> list[str]:
+    """Run the message combination of every metatrain ``PETBackend`` with a feed-forward
+    featurizer in ``module`` through :func:`combine_messages` (``enable=False``: back to
+    metatrain's code); return their names. Idempotent; parameters and state_dict keys are
+    unchanged."""
+    return swap_class(module, *_backend_classes(), enable, takes=lambda child: child.featurizer_type == "feedforward")

@@ -320,8 +320,8 @@ def lazy_subclass(module: str, name: str, base: str, **attributes) -> tuple:
 
 def swap_class(module: torch.nn.Module, plain: type, ours: type, enable: bool, takes=lambda child: True) -> list[str]:
     """Give every submodule of class ``plain`` (or ``ours``) in ``module`` that ``takes``
-    accepts the class ``ours``, a subclass with another ``forward`` (``enable=False``: back
-    to ``plain``); return their names. Parameters, buffers and state_dict keys stay as they
+    accepts the class ``ours``, a subclass that overrides some of its methods (``enable=False``:
+    back to ``plain``); return their names. Parameters, buffers and state_dict keys stay as they
     are; a subclass of ``plain`` other than ``ours`` is left alone."""
     changed = []
     for name, child in module.named_modules():

@@ -30,3 +30,47 @@ def fp32_in_order(x, w):
     for k in range(x.shape[1]):
         acc = acc + torch.outer(x[:, k], w[:, k])
     return acc
+
+
+def check_combination(device: str) -> None:
+    """``ase_tcfp32.fused.combine_messages`` on ``device`` against FP64 on random
+    involutions (pairs of slots swapped, the rest, like padding, their own reverse): the
+    norm to a few roundings of its 2D-term sums, the gradient to those of two rows' LayerNorm
+    gradients (its own row's first half, its reverse's second half)."""
+    import math
+
+    from ase_tcfp32.fused import combine_messages
+
+    g = torch.Generator(device=device).manual_seed(0)
+    u = 2.0**-24
+    # widths below, at and past a power of two (PET-M's 384); rows filling no program, several
+    for atoms, slots, width in [(1, 1, 16), (5, 7, 24), (9, 6, 32), (3, 4, 1), (11, 5, 384)]:
+        n = atoms * slots
+        order = torch.randperm(n, generator=g, device=device)
+        reverse = torch.arange(n, device=device)
+        half = (n // 3) * 2
+        reverse[order[:half:2]], reverse[order[1:half:2]] = order[1:half:2], order[:half:2]
+        reverse = reverse.reshape(atoms, slots)
+        norm = torch.nn.LayerNorm(2 * width, device=device).requires_grad_(False)
+        norm.weight.copy_(torch.randn(2 * width, generator=g, device=device))
+        norm.bias.copy_(torch.randn(2 * width, generator=g, device=device))
+        o = (torch.randn(atoms, slots, width, generator=g, device=device) * 3 + 1).requires_grad_()
+        grad = torch.randn(atoms, slots, 2 * width, generator=g, device=device)
+        y = combine_messages(o, reverse, norm)
+        (do,) = torch.autograd.grad(y, o, grad)
+        o64 = o.detach().double().requires_grad_()
+        x = torch.cat([o64, o64.reshape(-1, width)[reverse.reshape(-1)].reshape(o64.shape)], -1)
+        exact = torch.nn.functional.layer_norm(x, (2 * width,), norm.weight.double(), norm.bias.double(), norm.eps)
+        (do64,) = torch.autograd.grad(exact, o64, grad.double())
+        # sums of 2D terms (tree-reduced: log2(2D) roundings deep), a square root, a division
+        depth = math.log2(2 * width) + 8
+        xhat = (exact - norm.bias.double()) / norm.weight.double()
+        scale = (xhat.abs() + 1) * norm.weight.double().abs() + norm.bias.double().abs()
+        assert ((y.double() - exact).abs() <= 2 * depth * u * scale).all(), (atoms, slots, width)
+        # dx = rstd (g - mean(g) - xhat mean(g xhat)) with g = dy w, per row; o's gradient
+        # is the sum of two rows' halves (its own row and its reverse's)
+        rstd = 1 / torch.sqrt(x.detach().var(-1, unbiased=False) + norm.eps)
+        gw = (grad.double() * norm.weight.double()).abs()
+        size = rstd * (gw.amax(-1) + gw.mean(-1) + xhat.abs().amax(-1) * (gw * xhat.abs()).mean(-1))
+        size = size + size.reshape(-1)[reverse.reshape(-1)].reshape(size.shape)
+        assert ((do.double() - do64).abs() <= 2 * depth * u * size[..., None]).all(), (atoms, slots, width)

@@ -1,12 +1,14 @@
-"""The fused SwiGLU swap on CPU: which modules it changes, what it keeps, and the fallbacks."""
+"""The fused SwiGLU and message-combination swaps on CPU: which modules they change, what
+they keep, and the fallbacks."""
 
 import copy
 import pickle
 
+import numpy as np
 import pytest
 import torch
 
-from ase_tcfp32.fused import swap_feed_forwards, swiglu
+from ase_tcfp32.fused import combine_messages, swap_backends, swap_feed_forwards, swiglu
 
 pytest.importorskip("triton")
 
@@ -59,3 +61,62 @@ def test_the_kernels_refuse_what_they_cannot_take_before_launching():
         kernels.forward(torch.zeros(4, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match="contiguous"):
         kernels.backward(torch.zeros(8, 2), torch.zeros(4, 8).T)
+
+
+def test_the_backend_swap_keeps_parameters_and_state_dict_and_survives_copies(tiny_ckpt):
+    from ase_tcfp32.fused import FusedPETBackend
+    from ase_tcfp32.models import load_pet
+
+    pet = load_pet(tiny_ckpt)
+    keys = list(pet.state_dict())
+    assert swap_backends(pet) == ["backend"] and type(pet.backend) is FusedPETBackend
+    assert swap_backends(pet) == ["backend"]  # idempotent
+    assert list(pet.state_dict()) == keys
+    for clone in (copy.deepcopy(pet), pickle.loads(pickle.dumps(pet))):
+        assert type(clone.backend) is FusedPETBackend
+    swap_backends(pet, False)
+    assert type(pet.backend).__name__ == "PETBackend"
+
+
+def test_a_residual_featurizer_is_left_alone(tiny_ckpt):
+    from ase_tcfp32.models import load_pet
+
+    pet = load_pet(tiny_ckpt)
+    pet.backend.featurizer_type = "residual"  # metatrain's other featurizer (no combination step)
+    assert swap_backends(pet) == [] and type(pet.backend).__name__ == "PETBackend"
+
+
+def test_calculators_without_tensor_core_attention_keep_metatrains_backend(tiny_ckpt):
+    from ase_tcfp32 import TCPETCalculator
+
+    for precision in ("fp32", "tf32x3"):  # on CPU: no kernels of ours
+        calc = TCPETCalculator(tiny_ckpt, device="cpu", precision=precision)
+        assert type(calc.pet.backend).__name__ == "PETBackend"
+
+
+def test_the_swapped_featurizer_gives_metatrains_bits_in_float64(tiny_ckpt, water):
+    """Our copy of metatrain's feed-forward featurizer (its combination in
+    :func:`combine_messages`, on CPU metatrain's expression) runs the same modules on the
+    same values, in float64: the same energy, forces and stress up to the padding, which
+    is its own reverse here (another slot's in metatrain) and weighs 1e-15 in PET's
+    attention (it clamps the cutoff factors there). A metatrain release that changes its
+    featurizer fails here."""
+    from ase_tcfp32.lean import LeanPET
+    from ase_tcfp32.models import load_pet
+
+    pet = load_pet(tiny_ckpt).double()
+    lean = LeanPET(pet, torch.device("cpu"))
+    atoms = water.copy()
+    atoms.rattle(0.05, seed=3)
+    before = lean.compute([atoms], stress=True)[0]
+    swap_backends(pet)
+    after = lean.compute([atoms], stress=True)[0]
+    for key in ("energy", "forces", "stress"):
+        assert np.abs(after[key] - before[key]).max() <= 100 * 1e-15 * np.abs(before[key]).max(), key
+
+
+def test_combine_messages_on_cpu_tensors_is_metatrains_expression():
+    g = torch.Generator().manual_seed(0)
+    o, reverse = torch.randn(3, 4, 6, generator=g), torch.tensor([[1, 0, 2, 3], [4, 5, 6, 7], [8, 9, 11, 10]])
+    norm = torch.nn.LayerNorm(12)
+    assert torch.equal(combine_messages(o, reverse, norm), norm(torch.cat([o, o.reshape(12, 6)[reverse.reshape(-1)].reshape(o.shape)], -1)))

@@ -798,15 +798,16 @@ def test_tensor_core_attention_one_allowed_key_gives_its_value_exactly():
 
 
 def test_tensor_core_attention_in_pet_matches_sdpa_in_every_engine(tiny_ckpt, water192):
-    """tf32x3 with our attention and SwiGLU (the default for FP32-accurate precisions)
-    against the same precision with torch's SDPA and metatrain's SwiGLU: energies, forces
-    and stress to FP32 rounding, eager, compiled and in CUDA graphs."""
+    """tf32x3 with our attention, SwiGLU and message combination (the default for
+    FP32-accurate precisions) against the same precision with torch's SDPA and metatrain's
+    code: energies, forces and stress to FP32 rounding, eager, compiled and in CUDA graphs."""
     from ase_tcfp32.attention import swap_attention_blocks
-    from ase_tcfp32.fused import swap_feed_forwards
+    from ase_tcfp32.fused import swap_backends, swap_feed_forwards
 
     reference = water192.copy()
     reference.calc = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", engine="metatomic")
     assert swap_attention_blocks(reference.calc.pet, False) and swap_feed_forwards(reference.calc.pet, False)
+    assert swap_backends(reference.calc.pet, False) == ["backend"]
     e0, f0, s0 = reference.get_potential_energy(), reference.get_forces(), reference.get_stress()
     for engine, compile in [("metatomic", False), ("lean", False), ("graphs", False), ("lean", True)]:
         atoms = water192.copy()
@@ -861,3 +862,10 @@ def test_fused_swiglu_past_2_31_elements():
     h = swiglu.forward(y)[-4:].clone()
     grad_y = swiglu.backward(grad, y)[-4:]
     _assert_swiglu_errors_within_8_units(y[-4:], grad[-4:], h, grad_y)
+
+
+def test_message_combination_matches_fp64():
+    """The message-combination kernels on the GPU against FP64 (``helpers.check_combination``)."""
+    from helpers import check_combination
+
+    check_combination("cuda")

@@ -183,6 +183,29 @@ def test_swiglu_kernels_in_the_triton_interpreter():
     interpret(SWIGLU_SCRIPT, "interpreter swiglu ok")
 
 
+COMBINATION_SCRIPT = SAME_PET_AFTER + textwrap.dedent(
+    f"""
+    import sys
+    sys.path.insert(0, {os.path.dirname(__file__)!r})
+    from helpers import check_combination
+    from ase_tcfp32.fused import swap_backends
+
+    check_combination("cpu")
+
+    # PET (the bundled demo model) with the fused combination against metatrain's: same energy, forces, stress
+    same_pet_after(lambda pet: swap_backends(pet) == ["backend"])
+    assert "torch._dynamo" not in sys.modules
+    print("interpreter combination ok")
+    """
+)
+
+
+def test_message_combination_kernels_in_the_triton_interpreter():
+    """LayerNorm(cat(o, o[reverse])) and its gradient against FP64 on random involutions
+    (padding slots their own reverse); the demo PET with the swapped backend."""
+    interpret(COMBINATION_SCRIPT, "interpreter combination ok")
+
+
 CUTOFFS_SCRIPT = textwrap.dedent(
     """
     import numpy as np
