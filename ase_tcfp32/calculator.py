@@ -26,6 +26,7 @@ from ase.stress import full_3x3_to_voigt_6_stress
 from . import watchdog
 from .attention import on_tensor_cores, swap_attention_blocks
 from .compilation import compile_backend
+from .folded import swap_cartesian_transformers
 from .fused import swap_backends, swap_feed_forwards
 from .layers import EMULATED, swap_linear_layers
 from .lean import LeanPET
@@ -218,7 +219,8 @@ class TCPETCalculator(Calculator):
         tensor_core_attention = emulate is None and on_tensor_cores(self.precision, self.device)
         swap_attention_blocks(self.pet, tensor_core_attention)
         swap_feed_forwards(self.pet, tensor_core_attention)  # where the attention is ours, so are the SwiGLU
-        swap_backends(self.pet, tensor_core_attention)  # and the message combination
+        swap_backends(self.pet, tensor_core_attention)  # the message combination
+        swap_cartesian_transformers(self.pet, tensor_core_attention)  # and the edge-token compression
         self.attention = "tensor cores, TF32x3 (ase_tcfp32.attention)" if tensor_core_attention else "torch SDPA"
         self.low_memory = low_memory
         if low_memory:

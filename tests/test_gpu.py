@@ -798,16 +798,17 @@ def test_tensor_core_attention_one_allowed_key_gives_its_value_exactly():
 
 
 def test_tensor_core_attention_in_pet_matches_sdpa_in_every_engine(tiny_ckpt, water192):
-    """tf32x3 with our attention, SwiGLU and message combination (the default for
-    FP32-accurate precisions) against the same precision with torch's SDPA and metatrain's
+    """tf32x3 with our attention, SwiGLU, message combination and folded compression (the
+    default for FP32-accurate precisions) against the same precision with torch's SDPA and metatrain's
     code: energies, forces and stress to FP32 rounding, eager, compiled and in CUDA graphs."""
     from ase_tcfp32.attention import swap_attention_blocks
+    from ase_tcfp32.folded import swap_cartesian_transformers
     from ase_tcfp32.fused import swap_backends, swap_feed_forwards
 
     reference = water192.copy()
     reference.calc = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", engine="metatomic")
     assert swap_attention_blocks(reference.calc.pet, False) and swap_feed_forwards(reference.calc.pet, False)
-    assert swap_backends(reference.calc.pet, False) == ["backend"]
+    assert swap_backends(reference.calc.pet, False) == ["backend"] and swap_cartesian_transformers(reference.calc.pet, False)
     e0, f0, s0 = reference.get_potential_energy(), reference.get_forces(), reference.get_stress()
     for engine, compile in [("metatomic", False), ("lean", False), ("graphs", False), ("lean", True)]:
         atoms = water192.copy()
