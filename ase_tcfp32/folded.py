@@ -21,8 +21,9 @@ metatrain's to FP32 rounding, and forces differentiate the folded energy exactly
 :func:`swap_cartesian_transformers` gives a model's ``CartesianTransformer`` modules the
 class ``FoldedCartesianTransformer`` (parameters and state_dict keys unchanged). The
 calculator swaps them where PET's attention runs on tensor cores
-(:func:`ase_tcfp32.attention.on_tensor_cores`). The unfolded forward runs when the
-model's parameters require gradients (training) and under training's double backward.
+(:func:`ase_tcfp32.attention.on_tensor_cores`). metatrain's unfolded forward runs when
+the model's parameters require gradients (training), under training's double backward,
+and inside ``torch.compile`` (which fuses the concatenation into its own kernels).
 """
 
 from __future__ import annotations
@@ -53,10 +54,9 @@ def _key(self) -> tuple:
     return (first.weight.device, getattr(first, "precision", "fp32"), getattr(first, "emulate", None), *state)
 
 
-@torch.compiler.disable
 def folded(self) -> Folded:
     """The layer's :class:`Folded` compression (made on first use and when the weights,
-    their device or the compression's precision change; outside ``torch.compile``'s graphs)."""
+    their device or the compression's precision change)."""
     key = _key(self)
     fold = self.__dict__.get("_folded")
     if fold is not None and fold.key == key:
@@ -84,7 +84,7 @@ def _forward(self, input_node_embeddings: torch.Tensor, input_messages: torch.Te
              element_indices_neighbors: torch.Tensor, edge_vectors: torch.Tensor, padding_mask: torch.Tensor,
              edge_distances: torch.Tensor, cutoff_factors: torch.Tensor, use_manual_attention: bool) -> tuple:  # fmt: skip
     """``CartesianTransformer.forward`` with the folded compression (see the module doc)."""
-    if use_manual_attention or self.compress[0].weight.requires_grad:
+    if use_manual_attention or self.compress[0].weight.requires_grad or torch.compiler.is_compiling():
         return super(type(self), self).forward(input_node_embeddings, input_messages, element_indices_neighbors,
                                                edge_vectors, padding_mask, edge_distances, cutoff_factors,
                                                use_manual_attention)  # fmt: skip
