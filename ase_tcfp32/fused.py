@@ -113,9 +113,9 @@ def combine_messages(o: torch.Tensor, reverse: torch.Tensor, norm: torch.nn.Laye
     slot (i, j)'s reverse and an involution (``reverse[reverse] == slots``: a padding slot
     is its own reverse); differentiable with respect to ``o``. One kernel each way for
     float32 CUDA tensors and a frozen ``norm``."""
-    rows = o.reshape(-1, o.shape[-1])
     if not _on_kernels(o) or norm.weight is None or norm.weight.requires_grad or norm.bias.requires_grad:
-        return norm(torch.cat([o, rows[reverse.reshape(-1)].reshape(o.shape)], dim=-1))
+        reversed_messages = o.reshape(-1, o.shape[-1])[reverse.reshape(-1)].reshape(o.shape)
+        return norm(torch.cat([o, reversed_messages], dim=-1))
     return _CombinationFunction.apply(o.contiguous(), reverse.contiguous(), norm.weight, norm.bias, norm.eps)
 
 

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from .context import on_device
 
+
 def rows_per_program(width: int, backward: bool) -> int:
     """Rows of ``o`` [P, ``width``] per program. Measured on the H200 at 17,280 atoms
     (``benchmarks/fused.py``, ``fused_h200_session19.json``; forward / forward + backward
@@ -51,6 +52,12 @@ def _halves(o_ptr, rows_a, rows_b, inside, D: tl.constexpr, DP: tl.constexpr):
 
 
 @triton.jit
+def _halves_of(vector_ptr, c, D: tl.constexpr):
+    """The first and second halves of a [2D] vector (the norm's weight or bias) at columns ``c``."""
+    return tl.load(vector_ptr + c, mask=c < D), tl.load(vector_ptr + D + c, mask=c < D)
+
+
+@triton.jit
 def _standardised(a, b, mean, rstd, where):
     """``(x - mean) * rstd`` of the row ``x = [a, b]``, zero past D."""
     return tl.where(where, (a - mean) * rstd, 0.0), tl.where(where, (b - mean) * rstd, 0.0)
@@ -67,8 +74,8 @@ def _combination_forward(o_ptr, reverse_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd
     xa, xb = tl.where(where, a - mean[:, None], 0.0), tl.where(where, b - mean[:, None], 0.0)
     var = (tl.sum(xa * xa, 1) + tl.sum(xb * xb, 1)) / (2 * D)
     rstd = 1.0 / tl.sqrt_rn(var + eps)
-    wa, wb = tl.load(w_ptr + c, mask=c < D), tl.load(w_ptr + D + c, mask=c < D)
-    ba, bb = tl.load(b_ptr + c, mask=c < D), tl.load(b_ptr + D + c, mask=c < D)
+    wa, wb = _halves_of(w_ptr, c, D)
+    ba, bb = _halves_of(b_ptr, c, D)
     out = y_ptr + p[:, None] * (2 * D) + c
     tl.store(out, xa * rstd[:, None] * wa + ba, mask=where)
     tl.store(out + D, xb * rstd[:, None] * wb + bb, mask=where)
@@ -95,7 +102,7 @@ def _combination_backward(o_ptr, reverse_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr,
     r = tl.load(reverse_ptr + p, mask=p < P, other=0)
     lead = (p < P) & (p <= r)  # the orbit {p, r(p)} is this program's
     a, b, c, where = _halves(o_ptr, p[:, None], r[:, None], lead[:, None], D, DP)
-    wa, wb = tl.load(w_ptr + c, mask=c < D), tl.load(w_ptr + D + c, mask=c < D)
+    wa, wb = _halves_of(w_ptr, c, D)
     stats_p = tl.load(mean_ptr + p, mask=lead, other=0.0)[:, None], tl.load(rstd_ptr + p, mask=lead, other=0.0)[:, None]
     stats_r = tl.load(mean_ptr + r, mask=lead, other=0.0)[:, None], tl.load(rstd_ptr + r, mask=lead, other=0.0)[:, None]
     pa, pb = _row_gradient(a, b, dy_ptr, p[:, None], *stats_p, wa, wb, c, where, D)  # row p = [o_p, o_r]
