@@ -105,6 +105,54 @@ def tc_attention(qkv: torch.Tensor, mask: torch.Tensor, heads: int, scale: float
     return _AttentionFunction.apply(qkv, mask, heads, scale)
 
 
+class _PackedAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, node_qkv, bias, sequences, heads, scale):
+        ctx.sequences, ctx.heads, ctx.scale = sequences, heads, scale
+        ctx.save_for_backward(qkv, node_qkv, bias)
+        return _kernels().forward_packed(qkv, node_qkv, bias, sequences, heads, scale)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, node_grad_out):
+        qkv, node_qkv, bias = ctx.saved_tensors
+        grads = _kernels().backward_packed(grad_out, node_grad_out, qkv, node_qkv, bias, ctx.sequences, ctx.heads, ctx.scale)
+        return (*grads, None, None, None)
+
+
+def tc_attention_packed(qkv: torch.Tensor, node_qkv: torch.Tensor, bias: torch.Tensor, sequences, heads: int,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`tc_attention` on sequences stored without padding (PET's packed rows,
+    :mod:`ase_tcfp32.packed`): atom a attends over its centre token (``node_qkv`` [N,
+    3*H*D], row a) and its neighbours' tokens (``qkv`` [E, 3*H*D], the rows ``sequences``
+    gives it: :class:`ase_tcfp32.kernels.attention.Sequences`), with an additive ``bias``
+    [E] per neighbour token as key (the centre token's is 0). Returns the outputs of the
+    neighbour tokens [E, H*D] and of the centre tokens [N, H*D], differentiable with
+    respect to ``qkv``, ``node_qkv`` and ``bias``; float32 CUDA tensors (or CPU tensors
+    under Triton's interpreter); other tensors take the same sequences padded, in torch
+    (:func:`packed_attention_in_torch`)."""
+    if qkv.dtype != torch.float32 or not (qkv.is_cuda or INTERPRETED):
+        return packed_attention_in_torch(qkv, node_qkv, bias, sequences, heads, scale)
+    return _PackedAttentionFunction.apply(qkv.contiguous(), node_qkv.contiguous(), bias.contiguous(), sequences, heads,
+                                          scale)  # fmt: skip
+
+
+def packed_attention_in_torch(qkv: torch.Tensor, node_qkv: torch.Tensor, bias: torch.Tensor, sequences, heads: int,
+                              scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`tc_attention_packed` in torch, any dtype and device: the sequences gathered
+    into [N, T] padded ones (their padding keys at -inf), attended, and scattered back."""
+    atoms, tokens, edges = node_qkv.shape[0], sequences.tokens, qkv.shape[0]
+    slot = torch.arange(1, tokens, device=qkv.device)
+    real = slot <= sequences.counts[:, None]  # [N, T - 1]
+    rows = torch.where(real, sequences.first[:, None] + slot - 1, 0)
+    x = torch.cat([node_qkv[:, None], qkv[rows]], 1).reshape(atoms, tokens, 3, heads, -1).permute(2, 0, 3, 1, 4)
+    keys = torch.cat([bias.new_zeros(atoms, 1), torch.where(real, bias[rows], float("-inf"))], 1)
+    y = torch.softmax(x[0] @ x[1].transpose(-1, -2) * scale + keys[:, None, None, :], -1) @ x[2]
+    y = y.transpose(1, 2).reshape(atoms, tokens, -1)  # [N, T, C]
+    out = y.new_zeros(edges, y.shape[-1]).index_put((rows[real],), y[:, 1:][real])
+    return out, y[:, 0]
+
+
 def _forward(self, x: torch.Tensor, cutoff_factors: torch.Tensor, use_manual_attention: bool) -> torch.Tensor:
     """``AttentionBlock.forward`` through :func:`tc_attention` (see the module docstring)."""
     atoms, tokens, _ = x.shape

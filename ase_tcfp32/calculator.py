@@ -28,6 +28,7 @@ from .attention import on_tensor_cores, swap_attention_blocks
 from .compilation import compile_backend
 from .folded import swap_cartesian_transformers
 from .fused import swap_backends, swap_feed_forwards
+from .packed import unsupported_reason as packed_problem
 from .layers import EMULATED, swap_linear_layers
 from .lean import LeanPET
 from .models import import_dependencies, load_pet, recompute_gnn_layers
@@ -253,8 +254,10 @@ class TCPETCalculator(Calculator):
                 neighbor_skin=skin,
             )
         else:
+            # where the attention is ours and nothing is compiled, PET runs on packed rows (ase_tcfp32.packed)
+            packed = tensor_core_attention and not compile and packed_problem(self.pet) is None
             self._lean = LeanPET(self.pet, self.device, skin, graph_atoms, large_skin, compile=compile,
-                                 check_every=self.check_accuracy)  # fmt: skip
+                                 check_every=self.check_accuracy, packed=packed)  # fmt: skip
         if isinstance(model, torch.nn.Module):
             self.model_name = self.pet.metadata.name or type(model).__name__
         else:
@@ -273,6 +276,7 @@ class TCPETCalculator(Calculator):
     def _repr_html_(self) -> str:
         rows = {"model": self.model_name, "precision": self.precision, "backend": self.backend,
                 "device": str(self.device), "attention": self.attention, "engine": f"{self.engine_used} ({self.engine_reason})",
+                "edge rows": "packed" if self._lean is not None and self._lean.packed else "neighbour table",
                 "elements": len(self.atomic_types), "cutoff": f"{self.cutoff} Å"}  # fmt: skip
         cells = "".join(f"<tr><th style='text-align:left'>{k}</th><td>{v}</td></tr>" for k, v in rows.items())
         return f"<b>TCPETCalculator</b><table>{cells}</table>"

@@ -52,6 +52,12 @@ grow by that much before a step is redone with a wider table. Every column costs
 the edge work (GEMMs and attention): metatrain's own table has no margin."""
 
 
+ROW_SPARE = 0.02
+"""Packed rows (:mod:`ase_tcfp32.packed`) beyond the kept pairs, as a fraction of them, so
+that their number can grow by that much before a step is redone with more rows (and, with
+CUDA graphs, a new graph recorded)."""
+
+
 VIRIAL_BINS = 256
 """Partial sums per structure of the pairs' virial terms: pair k adds into bin k mod 256 of its
 structure, so that millions of atomic additions do not queue on a structure's nine numbers."""
@@ -271,15 +277,24 @@ class LeanPET:
     :param check_every: with graphs, every this many evaluations (the first included) run
         eagerly with every watched layer checked (:mod:`ase_tcfp32.watchdog`: a replayed
         graph runs no Python); 0: never.
+    :param packed: evaluate PET on packed rows, without the table's padding
+        (:mod:`ase_tcfp32.packed`: its attention on tensor cores; not with ``compile``).
     """
 
     def __init__(self, pet: torch.nn.Module, device: torch.device, skin: float = 2.0, graph_atoms: int = 0,
-                 large_skin: float | None = None, compile: bool = False, check_every: int = 0):  # fmt: skip
+                 large_skin: float | None = None, compile: bool = False, check_every: int = 0,
+                 packed: bool = False):  # fmt: skip
         from metatrain.pet.modules import adaptive_cutoff, utilities
 
         reason = unsupported_reason(pet)
         if reason is not None:
             raise ValueError(f"the lean path cannot evaluate this model: {reason}")
+        if packed:
+            from .packed import unsupported_reason as packed_problem
+
+            reason = packed_problem(pet) or ("compile=True compiles the table's path" if compile else None)
+            if reason is not None:
+                raise ValueError(f"packed rows cannot evaluate this model: {reason}")
         if graph_atoms and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not '{device}'")
         scale, offset = _per_type_energy(pet)
@@ -293,6 +308,7 @@ class LeanPET:
         self._reference: tuple[np.ndarray, np.ndarray] | None = None  # positions, cell of the last list
         self.pairs: Pairs | None = None
         self.columns = torch.arange(0, device=device)  # [J]: the neighbour table's columns
+        self.packed, self.rows = packed, 0  # PET on packed rows (ase_tcfp32.packed), in this many
         self.rebuilds = 0
         self.widenings = 0
         self.evaluations = 0
@@ -362,6 +378,11 @@ class LeanPET:
         """A table of ``width`` columns from the next evaluation on (not the recorded graph's)."""
         self.columns, self._graph = torch.arange(width, device=self.device), None
 
+    def _set_rows(self, pairs: int) -> None:
+        """Packed rows for ``pairs`` kept pairs and :data:`ROW_SPARE` more, from the next
+        evaluation on (not the recorded graph's)."""
+        self.rows, self._graph = _round_up(int(pairs * (1 + ROW_SPARE)) + 64, 256), None
+
     # ----- one evaluation on tensors ----------------------------------------------------
 
     def pair_vectors(self, positions: torch.Tensor) -> torch.Tensor:
@@ -370,13 +391,13 @@ class LeanPET:
         pairs = self.pairs
         return _PairTerms.apply(positions, pairs.centers, pairs.neighbors, pairs.reverse, pairs.first, -1.0) + pairs.offsets
 
-    def neighbour_table(self, vectors: torch.Tensor, numbers: torch.Tensor, columns: torch.Tensor) -> tuple:
-        """PET's input tensors (its ``batch_data``: [N, J] tables of the kept pairs) and the
-        largest neighbour count (0-d tensor), for the current pairs' ``vectors`` [capacity, 3]
-        (:meth:`pair_vectors`) and the atomic ``numbers`` [N], into a table of J =
-        ``len(columns)`` columns."""
-        backend, pairs, width = self.backend, self.pairs, columns.shape[0]
-        n, capacity = numbers.shape[0], pairs.valid.numel()
+    def _kept_pairs(self, vectors: torch.Tensor, n: int) -> tuple:
+        """Which of the current pairs PET keeps (its adaptive cutoffs) and their cutoff
+        factors, for the pairs' ``vectors`` [capacity, 3] of N = ``n`` atoms:
+        ``(vectors, factors, keep, before, counts)``, the padding pairs' vectors moved
+        :data:`_FAR` away, ``before`` [capacity + 1] the kept pairs before each pair and
+        ``counts`` [N] each atom's kept pairs."""
+        backend, pairs = self.backend, self.pairs
         vectors = torch.where(pairs.valid[:, None], vectors, self._far)
         distances = torch.norm(vectors, dim=-1) + 1e-15
 
@@ -392,11 +413,20 @@ class LeanPET:
             pair_cutoffs = torch.full_like(distances, backend.cutoff)
         keep = (distances <= pair_cutoffs) & pairs.valid
         factors = self._cutoff_function(distances, pair_cutoffs, backend.cutoff_width)
-
-        # pair k goes to row centers[k], column = the kept pairs before it in its row
         before = torch.nn.functional.pad(torch.cumsum(keep.long(), 0), (1, 0))  # [capacity + 1]: kept pairs before pair k
-        column = before[:-1] - before[pairs.first[pairs.centers]]
         counts = before[pairs.first[1:]] - before[pairs.first[:-1]]
+        return vectors, factors, keep, before, counts
+
+    def neighbour_table(self, vectors: torch.Tensor, numbers: torch.Tensor, columns: torch.Tensor) -> tuple:
+        """PET's input tensors (its ``batch_data``: [N, J] tables of the kept pairs) and the
+        largest neighbour count (0-d tensor), for the current pairs' ``vectors`` [capacity, 3]
+        (:meth:`pair_vectors`) and the atomic ``numbers`` [N], into a table of J =
+        ``len(columns)`` columns."""
+        backend, pairs, width = self.backend, self.pairs, columns.shape[0]
+        n, capacity = numbers.shape[0], pairs.valid.numel()
+        vectors, factors, keep, before, counts = self._kept_pairs(vectors, n)
+        # pair k goes to row centers[k], column = the kept pairs before it in its row
+        column = before[:-1] - before[pairs.first[pairs.centers]]
         slot = torch.where(keep & (column < width), pairs.centers * width + column, n * width)
         pair_at = torch.full((n * width + 1,), capacity, dtype=torch.long, device=keep.device)
         pair_at = pair_at.scatter_(0, slot, torch.arange(capacity, device=keep.device))[: n * width]
@@ -424,16 +454,58 @@ class LeanPET:
         }
         return batch, counts.max()
 
+    def packed_rows(self, vectors: torch.Tensor, numbers: torch.Tensor, columns: torch.Tensor, rows: int) -> tuple:
+        """PET's inputs on packed rows (:class:`ase_tcfp32.packed.Packed`: the kept pairs,
+        atom by atom, in ``rows`` rows), the largest neighbour count and the kept pairs' number
+        (0-d tensors), for the current pairs' ``vectors`` [capacity, 3] and the atomic
+        ``numbers`` [N]; the attention's blocks are tiled for sequences of up to
+        ``len(columns) + 1`` tokens. Where there are more kept pairs than rows, or more in
+        an atom than columns, the results are wrong and the step must be redone (as
+        :meth:`compute` does) with more."""
+        from .kernels.attention import Sequences
+        from .packed import Packed
+
+        pairs, n = self.pairs, numbers.shape[0]
+        vectors, factors, keep, before, counts = self._kept_pairs(vectors, n)
+        capacity = pairs.valid.numel()
+        row = torch.where(keep & (before[:-1] < rows), before[:-1], rows)  # pair k's row (rows: none)
+        pair_at = torch.full((rows + 1,), capacity, dtype=torch.long, device=keep.device)
+        pair_at = pair_at.scatter_(0, row, torch.arange(capacity, device=keep.device))[:rows]
+        real = pair_at < capacity
+        spread = torch.where(real, pair_at, torch.arange(rows, device=keep.device) % capacity)  # padding: distinct pairs
+
+        def packed(values: torch.Tensor) -> torch.Tensor:
+            """[capacity, ...] pair values as [rows, ...], zero in the padding rows."""
+            return torch.where(real.reshape(rows, *[1] * (values.dim() - 1)), values.index_select(0, spread), 0)
+
+        first = before[pairs.first[:-1]]
+        total = before[-1]
+        species = self.backend.species_to_species_index[numbers]
+        reverse = torch.where(real, row.index_select(0, pairs.reverse.index_select(0, spread)), torch.arange(rows, device=keep.device))
+        sequences = Sequences(first, torch.minimum(counts, (rows - first).clamp_min(0)), total.clamp_max(rows),
+                              columns.shape[0] + 1)  # fmt: skip  (no row past the buffer's end is read)
+        inputs = Packed(species, packed(species[pairs.neighbors]), packed(vectors), packed(factors), packed(pairs.centers),
+                        real, reverse.clamp_max(rows - 1), sequences)  # fmt: skip
+        return inputs, counts.max(), total
+
     def energy_terms(self, vectors: torch.Tensor, cells: torch.Tensor, numbers: torch.Tensor,
                      system: torch.Tensor) -> tuple:  # fmt: skip
         """Per-atom energies [N] (eV, float64: PET's FP32 output, scaled and offset in
-        float64) and the largest neighbour count (0-d tensor), for the pair ``vectors``
+        float64) and the sizes the step needed (a tensor [2]: the largest neighbour count and,
+        on packed rows, the kept pairs' number), for the pair ``vectors``
         (:meth:`pair_vectors`) of atoms of atomic ``numbers`` [N] in structures ``system``
         [N] of ``cells`` [S, 3, 3]."""
-        batch, most = self.neighbour_table(vectors, numbers, self.columns)
-        nodes, edges = self.backend.calculate_features(batch)
-        predictions = self.backend.predict(nodes, edges, batch, cells, system, ["energy"])[0]["energy"][0][:, 0]
-        return predictions.double() * self.scale[numbers] + self.offset[numbers], most
+        if self.packed:
+            from . import packed
+
+            inputs, most, total = self.packed_rows(vectors, numbers, self.columns, self.rows)
+            predictions = packed.energies(self.backend, inputs)
+        else:
+            batch, most = self.neighbour_table(vectors, numbers, self.columns)
+            nodes, edges = self.backend.calculate_features(batch)
+            predictions = self.backend.predict(nodes, edges, batch, cells, system, ["energy"])[0]["energy"][0][:, 0]
+            total = torch.zeros_like(most)
+        return predictions.double() * self.scale[numbers] + self.offset[numbers], torch.stack([most, total])
 
     def _step(self, positions: torch.Tensor, cells: torch.Tensor, numbers: torch.Tensor, system: torch.Tensor,
               stress: bool) -> dict:  # fmt: skip
@@ -443,10 +515,10 @@ class LeanPET:
         positions = positions.detach().requires_grad_(True)
         with torch.enable_grad():
             vectors = self.pair_vectors(positions)
-            energies, most = self.energy_terms(vectors, cells, numbers, system)
+            energies, sizes = self.energy_terms(vectors, cells, numbers, system)
             grads = torch.autograd.grad(energies.sum(), [positions, vectors] if stress else [positions])
         totals = torch.zeros(cells.shape[0], dtype=energies.dtype, device=energies.device).index_add_(0, system, energies)
-        out = {"energy": totals.detach(), "energies": energies.detach(), "forces": -grads[0], "most": most}
+        out = {"energy": totals.detach(), "energies": energies.detach(), "forces": -grads[0], "sizes": sizes}
         if stress:  # dE/d(strain) of structure s: its pairs' v ⊗ dE/dv, summed (see the module doc)
             terms = (vectors.detach()[:, :, None] * grads[1][:, None, :]).reshape(-1, 9)
             bins = terms.new_zeros(cells.shape[0] * VIRIAL_BINS, 9).index_add_(0, self.pairs.bins, terms)
@@ -466,17 +538,25 @@ class LeanPET:
         positions = torch.from_numpy(batch.positions).to(self.device, self.dtype)
         cells = torch.from_numpy(batch.cells).to(self.device, self.dtype)
         numbers, system = torch.from_numpy(batch.numbers).to(self.device, torch.long), self.system
-        if self.width == 0:  # first call: size the table from the neighbour counts
-            self._set_width(8)  # not 1: the compiler would specialise a length of 1
-            with torch.enable_grad():  # the step's grad mode: with compile=True, no second compilation
-                most = int(self.neighbour_table(self.pair_vectors(positions), numbers, self.columns)[1])
+        if self.width == 0:  # first call: size the table (or the packed rows) from the neighbour counts
+            if self.packed:
+                counts = self._kept_pairs(self.pair_vectors(positions).detach(), len(numbers))[4]
+                most = int(counts.max())
+                self._set_rows(int(counts.sum()))
+            else:
+                self._set_width(8)  # not 1: the compiler would specialise a length of 1
+                with torch.enable_grad():  # the step's grad mode: with compile=True, no second compilation
+                    most = int(self.neighbour_table(self.pair_vectors(positions), numbers, self.columns)[1])
             self._set_width(most + MARGIN)
         out = self._evaluate(positions, cells, numbers, system, stress)
-        most = int(out["most"])
-        if most > self.width:  # an atom outgrew the table: widen it and redo the step
-            self._set_width(most + MARGIN)
-            self.widenings += 1
-            out = self._evaluate(positions, cells, numbers, system, stress)  # the counts do not depend on the width
+        most, total = out["sizes"].tolist()
+        if most > self.width or total > self.rows:  # an atom outgrew the table, or the pairs the rows: redo the step
+            if most > self.width:
+                self._set_width(most + MARGIN)
+                self.widenings += 1
+            if total > self.rows:
+                self._set_rows(total)
+            out = self._evaluate(positions, cells, numbers, system, stress)  # the counts do not depend on the sizes
         ends = np.cumsum(batch.sizes)[:-1]
         totals = out["energy"].cpu().numpy()
         energies = np.split(out["energies"].double().cpu().numpy(), ends)

@@ -28,19 +28,24 @@ from ase.units import fs
 
 from ase_tcfp32 import TCPETCalculator
 from ase_tcfp32.models import random_checkpoint
+from ase_tcfp32.precision import FP32_ACCURATE
 from ase_tcfp32.validation import water_box
 from ase_tcfp32.validation.common import environment, md_step_times
 
 
 def time_steps(model, precision: str, atoms, steps: int, compile: bool, engine: str = "metatomic",
-               low_memory: bool = False, skin: float = 2.0, warmup: int = 3) -> dict:  # fmt: skip
+               low_memory: bool = False, skin: float = 2.0, warmup: int = 3, table: bool = False) -> dict:  # fmt: skip
     """Median and minimum ms per MD step and peak GPU memory (GB) of one configuration;
     the first call's time (compilation and graph recording included) separately; for the
-    lean engines the neighbour table's final width, its widenings and the pair-list builds."""
+    lean engines the neighbour table's final width, its widenings, the pair-list builds and
+    whether PET ran on packed rows (``table``: on the neighbour table, even where the
+    calculator packs them)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         calc = TCPETCalculator(model, precision=precision, device="cuda", compile=compile, low_memory=low_memory,
                                engine=engine, neighbor_skin=skin)  # fmt: skip
+    if table and calc._lean is not None:
+        calc._lean.packed = False
     atoms = atoms.copy()
     atoms.calc = calc
     MaxwellBoltzmannDistribution(atoms, temperature_K=300, rng=np.random.default_rng(0))
@@ -50,7 +55,8 @@ def time_steps(model, precision: str, atoms, steps: int, compile: bool, engine: 
     row = {"ms": 1000 * float(np.median(times[warmup:])), "ms_min": 1000 * float(np.min(times[warmup:])),
            "first_s": times[0], "peak_GB": torch.cuda.max_memory_allocated() / 1e9}  # fmt: skip
     if calc._lean is not None:  # the lean engines' neighbour table and Verlet list
-        row.update(table_width=calc._lean.width, widenings=calc._lean.widenings, pair_rebuilds=calc._lean.rebuilds)
+        row.update(table_width=calc._lean.width, widenings=calc._lean.widenings, pair_rebuilds=calc._lean.rebuilds,
+                   edge_rows="packed" if calc._lean.packed else "table", packed_rows=calc._lean.rows)  # fmt: skip
     return row
 
 
@@ -79,6 +85,8 @@ def main() -> None:
     parser.add_argument("--compile", choices=["no", "yes", "both"], default="no")
     parser.add_argument("--low-memory", action="store_true", help="low_memory=True for every row")
     parser.add_argument("--skin", type=float, default=2.0, help="neighbor_skin in Å")
+    parser.add_argument("--table", action="store_true",
+                        help="also time the lean engines' FP32-accurate rows on the neighbour table, not packed rows")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     modes = {"no": [False], "yes": [True], "both": [False, True]}[args.compile]
@@ -92,12 +100,15 @@ def main() -> None:
             group = []
             for engine in args.engines.split(","):
                 for compiled in modes:
-                    for precision in args.precisions.split(","):
+                    layouts = [False, True] if args.table and engine != "metatomic" and not compiled else [False]
+                    for precision, table in [(p, t) for p in args.precisions.split(",") for t in layouts]:
+                        if table and precision not in FP32_ACCURATE:
+                            continue
                         row = {"model": f"random-{shape}", "atoms": len(atoms), "engine": engine, "compiled": compiled,
                                "precision": precision, "low_memory": args.low_memory, "skin": args.skin}  # fmt: skip
                         try:
                             row.update(time_steps(model, precision, atoms, args.steps, compiled, engine, args.low_memory,
-                                                  args.skin))  # fmt: skip
+                                                  args.skin, table=table))  # fmt: skip
                         except torch.OutOfMemoryError:
                             row["error"] = "out of memory"
                         except Exception as error:  # a configuration that fails must not stop the others
@@ -105,7 +116,8 @@ def main() -> None:
                         torch.cuda.empty_cache()
                         result = (f"{row['ms']:9.1f} {row['first_s']:8.1f} {row['peak_GB']:8.1f}" if "ms" in row
                                   else row["error"])  # fmt: skip
-                        print(f"{shape:>5} {len(atoms):>6} {engine:>9} {str(compiled):>8} {precision:>9} {result}", flush=True)
+                        name = f"{precision}{' (table)' if table else ''}"
+                        print(f"{shape:>5} {len(atoms):>6} {engine:>9} {str(compiled):>8} {name:>9} {result}", flush=True)
                         group.append(row)
                         save(args.out, rows + group)
             add_speedups(group)
@@ -114,6 +126,7 @@ def main() -> None:
                 if "ms" in row:
                     same = row["speedup_vs_fp32_same_config"]
                     print(f"  {row['engine']:>9} compiled={str(row['compiled']):5} {row['precision']:>7} "
+                          f"{row.get('edge_rows', ''):>6} "
                           f"{same if same else float('nan'):6.2f} {row['speedup_vs_best_fp32'] or float('nan'):6.2f}")  # fmt: skip
             rows += group
             save(args.out, rows)

@@ -35,6 +35,8 @@ the backward pads it with zero columns (:func:`padded_columns`).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -124,18 +126,50 @@ def _program_block(mask_ptr, B, T, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _columns(row, real, first: tl.constexpr, width: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
-    """Offsets [BLOCK, DP] of the columns ``first .. first + DP - 1`` of the block's rows of a
-    row-major [rows, width] tensor, and where they are real (``first + DP`` past ``D``: padding)."""
-    d = tl.arange(0, DP)
-    return row[:, None] * width + (first + d)[None, :], real[:, None] & (first + d < D)[None, :]
+def _packed_block(first_ptr, counts_ptr, B, T, BLOCK: tl.constexpr):
+    """This program's block of packed sequences (see :func:`forward_packed`): for each of
+    its BLOCK token slots, the atom, the edge row of a neighbour token, whether the slot
+    is real and whether it is the atom's centre token, and its sequence in the block."""
+    pack = BLOCK // T
+    r = tl.arange(0, BLOCK)
+    seq = r // T
+    atom = tl.program_id(0).to(tl.int64) * pack + seq
+    tok = r - seq * T
+    inside = (seq < pack) & (atom < B)
+    real = inside & (tok <= tl.load(counts_ptr + atom, mask=inside, other=-1))
+    edge = tl.load(first_ptr + atom, mask=inside, other=1) + tok - 1
+    return atom, edge, real, tok == 0, seq
 
 
 @triton.jit
-def _head(qkv_ptr, offsets, io, h, C: tl.constexpr, D: tl.constexpr):
-    """Head ``h``'s queries, keys and values at ``offsets`` of the head's columns in qkv
-    [B*T, 3*C] (:func:`_columns`), zero outside ``io``."""
-    inputs = qkv_ptr + h * D + offsets
+def _key_bias(bias_ptr, edge, real, centre, seq):
+    """The additive mask [BLOCK, BLOCK] of a packed block: each key's bias (0 for a centre
+    token) within its sequence, -inf elsewhere, 0 on padding rows."""
+    key = tl.load(bias_ptr + edge, mask=real & (centre == 0), other=0.0)
+    same = (seq[:, None] == seq[None, :]) & real[:, None] & real[None, :]
+    bias = tl.where(same, key[None, :], float("-inf"))
+    return tl.where(real[:, None], bias, 0.0)
+
+
+@triton.jit
+def _rows(edge_ptr, node_ptr, atom, edge, centre, width: tl.constexpr):
+    """Pointers [BLOCK, 1] to the rows of a packed block's tokens in row-major tensors of
+    ``width`` columns: a centre token's row of the nodes' tensor, a neighbour's of the edges'."""
+    return tl.where(centre[:, None], node_ptr + atom[:, None] * width, edge_ptr + edge[:, None] * width)
+
+
+@triton.jit
+def _columns(real, first: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+    """Offsets [1, DP] of the columns ``first .. first + DP - 1`` of a head, and where they
+    are real [BLOCK, DP] (``first + DP`` past ``D``: padding)."""
+    d = first + tl.arange(0, DP)
+    return d[None, :], real[:, None] & (d < D)[None, :]
+
+
+@triton.jit
+def _head(inputs, io, C: tl.constexpr):
+    """A head's queries, keys and values at the pointers ``inputs`` [BLOCK, DP] to its
+    query columns (keys C, values 2C further), zero outside ``io``."""
     q = tl.load(inputs, mask=io, other=0.0)
     k = tl.load(inputs + C, mask=io, other=0.0)
     v = tl.load(inputs + 2 * C, mask=io, other=0.0)
@@ -149,27 +183,58 @@ def _softmax(s):
     return p / tl.sum(p, 1)[:, None]
 
 
+@triton.jit
+def _forward_heads(inputs, outputs, real, bias, scale, H: tl.constexpr, D: tl.constexpr, DA: tl.constexpr,
+                   DB: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+    """A block's attention, head by head: ``inputs`` [BLOCK, 1] point to its tokens' rows of
+    qkv, ``outputs`` [BLOCK, 1] to their rows of the output, ``bias`` [BLOCK, BLOCK]."""
+    C: tl.constexpr = H * D
+    for h in tl.range(0, H, num_stages=STAGES):
+        a, io_a = _columns(real, 0, D, DA)  # the head's first DA columns
+        q, k, v = _head(inputs + h * D + a, io_a, C)
+        if DB > 0:  # and its last DB columns
+            b, io_b = _columns(real, DA, D, DB)
+            q_b, k_b, v_b = _head(inputs + h * D + b, io_b, C)
+            s = _dot3_chunks(q, tl.trans(k), q_b, tl.trans(k_b))
+        else:
+            s = _dot3(q, tl.trans(k))
+        p = _softmax(s * scale + bias)
+        tl.store(outputs + h * D + a, _dot3_exact_b(p, v), mask=io_a)
+        if DB > 0:
+            tl.store(outputs + h * D + b, _dot3_exact_b(p, v_b), mask=io_b)
+
+
+@triton.jit
+def _backward_heads(inputs, grad_outputs, grad_inputs, real, bias, scale, H: tl.constexpr, D: tl.constexpr,
+                    DP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+    """The gradients of :func:`_forward_heads` with respect to qkv (stored at ``grad_inputs``
+    [BLOCK, 1]) for the output gradient at ``grad_outputs``; returns the scores' gradient
+    [BLOCK, BLOCK], summed over the heads (the bias's)."""
+    C: tl.constexpr = H * D
+    grad_bias = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    for h in tl.range(0, H, num_stages=STAGES):
+        x, io = _columns(real, 0, D, DP)  # the head's columns, padded to DP
+        q, k, v = _head(inputs + h * D + x, io, C)
+        do = tl.load(grad_outputs + h * D + x, mask=io, other=0.0)
+        p = _softmax(_dot3(q, tl.trans(k)) * scale + bias)
+        grads = grad_inputs + h * D + x
+        tl.store(grads + 2 * C, _dot3(tl.trans(p), do), mask=io)  # dV = P^T dO
+        dp = _dot3(do, tl.trans(v))
+        ds = p * (dp - tl.sum(p * dp, 1)[:, None])  # the gradient of the masked scores
+        grad_bias += ds
+        ds = ds * scale
+        tl.store(grads, _dot3(ds, k), mask=io)  # dQ
+        tl.store(grads + C, _dot3(tl.trans(ds), q), mask=io)  # dK
+    return grad_bias
+
+
 @triton.jit(do_not_specialize=["B", "T"])
 def _attention_forward(qkv_ptr, mask_ptr, out_ptr, B, T, scale,
                        H: tl.constexpr, D: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, BLOCK: tl.constexpr,
                        STAGES: tl.constexpr):  # fmt: skip
     row, real, bias, _offsets, _same = _program_block(mask_ptr, B, T, BLOCK)
     C: tl.constexpr = H * D
-    for h in tl.range(0, H, num_stages=STAGES):
-        x_a, io_a = _columns(row, real, 0, 3 * C, D, DA)  # the head's first DA columns
-        o_a = _columns(row, real, 0, C, D, DA)[0]
-        q, k, v = _head(qkv_ptr, x_a, io_a, h, C, D)
-        if DB > 0:  # and its last DB columns
-            x_b, io_b = _columns(row, real, DA, 3 * C, D, DB)
-            o_b = _columns(row, real, DA, C, D, DB)[0]
-            q_b, k_b, v_b = _head(qkv_ptr, x_b, io_b, h, C, D)
-            s = _dot3_chunks(q, tl.trans(k), q_b, tl.trans(k_b))
-        else:
-            s = _dot3(q, tl.trans(k))
-        p = _softmax(s * scale + bias)
-        tl.store(out_ptr + h * D + o_a, _dot3_exact_b(p, v), mask=io_a)
-        if DB > 0:
-            tl.store(out_ptr + h * D + o_b, _dot3_exact_b(p, v_b), mask=io_b)
+    _forward_heads(qkv_ptr + row[:, None] * 3 * C, out_ptr + row[:, None] * C, real, bias, scale, H, D, DA, DB, STAGES)
 
 
 @triton.jit(do_not_specialize=["B", "T"])
@@ -178,21 +243,58 @@ def _attention_backward(qkv_ptr, mask_ptr, grad_out_ptr, grad_qkv_ptr, grad_mask
                         STAGES: tl.constexpr):  # fmt: skip
     row, real, bias, offsets, same = _program_block(mask_ptr, B, T, BLOCK)
     C: tl.constexpr = H * D
-    grad_bias = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)  # summed over the heads
-    for h in tl.range(0, H, num_stages=STAGES):
-        x, io = _columns(row, real, 0, 3 * C, D, DP)  # the head's columns, padded to DP
-        q, k, v = _head(qkv_ptr, x, io, h, C, D)
-        do = tl.load(grad_out_ptr + h * D + _columns(row, real, 0, C, D, DP)[0], mask=io, other=0.0)
-        p = _softmax(_dot3(q, tl.trans(k)) * scale + bias)
-        grads = grad_qkv_ptr + h * D
-        tl.store(grads + 2 * C + x, _dot3(tl.trans(p), do), mask=io)  # dV = P^T dO
-        dp = _dot3(do, tl.trans(v))
-        ds = p * (dp - tl.sum(p * dp, 1)[:, None])  # the gradient of the masked scores
-        grad_bias += ds
-        ds = ds * scale
-        tl.store(grads + x, _dot3(ds, k), mask=io)  # dQ
-        tl.store(grads + C + x, _dot3(tl.trans(ds), q), mask=io)  # dK
+    grad_bias = _backward_heads(qkv_ptr + row[:, None] * 3 * C, grad_out_ptr + row[:, None] * C,
+                                grad_qkv_ptr + row[:, None] * 3 * C, real, bias, scale, H, D, DP, BLOCK, STAGES)  # fmt: skip
     tl.store(grad_mask_ptr + offsets, grad_bias, mask=same)
+
+
+@triton.jit
+def _zero_tail(ptr, total_ptr, E, start, width: tl.constexpr, BLOCK: tl.constexpr):
+    """Zeros into rows ``start .. start + BLOCK - 1`` of a row-major [E, width] tensor where
+    they are past the ``*total_ptr`` real rows: the padding rows no sequence holds."""
+    r = start + tl.arange(0, BLOCK)
+    rows = (r >= tl.load(total_ptr)) & (r < E)
+    for first in tl.static_range(0, width, 64):
+        c = first + tl.arange(0, 64)
+        tl.store(ptr + r[:, None] * width + c[None, :], tl.zeros((BLOCK, 64), dtype=tl.float32),
+                 mask=rows[:, None] & (c < width)[None, :])  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["B", "T", "E"])
+def _packed_forward(qkv_ptr, node_qkv_ptr, bias_ptr, first_ptr, counts_ptr, total_ptr, out_ptr, node_out_ptr, B, T, E,
+                    scale, H: tl.constexpr, D: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, BLOCK: tl.constexpr,
+                    STAGES: tl.constexpr):  # fmt: skip
+    C: tl.constexpr = H * D
+    blocks = tl.cdiv(B, BLOCK // T)
+    if tl.program_id(0) < blocks:
+        atom, edge, real, centre, seq = _packed_block(first_ptr, counts_ptr, B, T, BLOCK)
+        bias = _key_bias(bias_ptr, edge, real, centre, seq)
+        _forward_heads(_rows(qkv_ptr, node_qkv_ptr, atom, edge, centre, 3 * C),
+                       _rows(out_ptr, node_out_ptr, atom, edge, centre, C), real, bias, scale, H, D, DA, DB, STAGES)  # fmt: skip
+    else:  # the edge rows past the real ones
+        _zero_tail(out_ptr, total_ptr, E, (tl.program_id(0) - blocks).to(tl.int64) * BLOCK, C, BLOCK)
+
+
+@triton.jit(do_not_specialize=["B", "T", "E"])
+def _packed_backward(qkv_ptr, node_qkv_ptr, bias_ptr, first_ptr, counts_ptr, total_ptr, grad_out_ptr,
+                     node_grad_out_ptr, grad_qkv_ptr, node_grad_qkv_ptr, grad_bias_ptr, B, T, E, scale,
+                     H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
+                     STAGES: tl.constexpr):  # fmt: skip
+    C: tl.constexpr = H * D
+    blocks = tl.cdiv(B, BLOCK // T)
+    if tl.program_id(0) < blocks:
+        atom, edge, real, centre, seq = _packed_block(first_ptr, counts_ptr, B, T, BLOCK)
+        bias = _key_bias(bias_ptr, edge, real, centre, seq)
+        grad_bias = _backward_heads(_rows(qkv_ptr, node_qkv_ptr, atom, edge, centre, 3 * C),
+                                    _rows(grad_out_ptr, node_grad_out_ptr, atom, edge, centre, C),
+                                    _rows(grad_qkv_ptr, node_grad_qkv_ptr, atom, edge, centre, 3 * C),
+                                    real, bias, scale, H, D, DP, BLOCK, STAGES)  # fmt: skip
+        # each key's bias is shared by its sequence's queries: the sum of its column
+        tl.store(grad_bias_ptr + edge, tl.sum(grad_bias, 0), mask=real & (centre == 0))
+    else:
+        start = (tl.program_id(0) - blocks).to(tl.int64) * BLOCK
+        _zero_tail(grad_qkv_ptr, total_ptr, E, start, 3 * C, BLOCK)
+        _zero_tail(grad_bias_ptr, total_ptr, E, start, 1, BLOCK)
 
 
 def padded_columns(head_dim: int) -> int:
@@ -244,12 +346,17 @@ def launch_shape(qkv: torch.Tensor, mask: torch.Tensor, heads: int, launch: dict
     if width % (3 * heads) or mask.shape != (atoms, tokens, tokens):
         raise ValueError(f"qkv [B, T, 3*H*D] and mask [B, T, T] expected, got {tuple(qkv.shape)} and {tuple(mask.shape)}")
     head_dim = width // (3 * heads)
+    constants = _constants(tokens, heads, head_dim, launch, backward)
+    return atoms, tokens, head_dim, (triton.cdiv(atoms, constants["BLOCK"] // tokens),), constants
+
+
+def _constants(tokens: int, heads: int, head_dim: int, launch: dict | None, backward: bool) -> dict:
+    """The kernels' compile-time arguments for sequences of up to ``tokens`` (checked)."""
     if tokens > max_tokens(head_dim):
         raise ValueError(f"the attention kernels take at most {max_tokens(head_dim)} tokens with heads of {head_dim}, not {tokens}")
     c = launch or config(tokens, head_dim, backward)
-    grid = (triton.cdiv(atoms, c["BLOCK"] // tokens),)
     columns = dict(DP=padded_columns(head_dim)) if backward else dict(zip(("DA", "DB"), head_columns(head_dim)))
-    return atoms, tokens, head_dim, grid, dict(H=heads, D=head_dim, **columns, **c)
+    return dict(H=heads, D=head_dim, **columns, **c)
 
 
 def forward(qkv: torch.Tensor, mask: torch.Tensor, heads: int, scale: float, launch: dict | None = None) -> torch.Tensor:
@@ -274,3 +381,63 @@ def backward(grad_out: torch.Tensor, qkv: torch.Tensor, mask: torch.Tensor, head
             _attention_backward[grid](qkv, mask, grad_out.contiguous(), grad_qkv, grad_mask, atoms, tokens, scale,
                                       **constants)  # fmt: skip
     return grad_qkv, grad_mask
+
+
+class Sequences(NamedTuple):
+    """Where packed sequences lie (:func:`forward_packed`): atom a's sequence is its centre
+    token (row a of the nodes' tensors) and its ``counts[a]`` neighbour tokens, edge rows
+    ``first[a] .. first[a] + counts[a] - 1``; the edge rows from ``total`` on hold no token."""
+
+    first: torch.Tensor  # [N] int64
+    counts: torch.Tensor  # [N] int64
+    total: torch.Tensor  # 0-d int64: the edge rows in use
+    tokens: int  # the longest sequence the launch allows (the blocks' tiling): counts <= tokens - 1
+
+
+def _packed_launch(qkv: torch.Tensor, node_qkv: torch.Tensor, bias: torch.Tensor, sequences: Sequences, heads: int,
+                   launch: dict | None, backward: bool) -> tuple:  # fmt: skip
+    """``(head_dim, grid, constants)`` of a packed launch (shapes checked first)."""
+    edges, width = qkv.shape
+    atoms = node_qkv.shape[0]
+    if (width % (3 * heads) or node_qkv.shape[1] != width or bias.shape != (edges,)
+            or sequences.first.shape != (atoms,) or sequences.counts.shape != (atoms,)):  # fmt: skip
+        raise ValueError(f"qkv [E, 3*H*D], node qkv [N, 3*H*D], bias [E], first and counts [N] expected, got "
+                         f"{tuple(qkv.shape)}, {tuple(node_qkv.shape)}, {tuple(bias.shape)}, "
+                         f"{tuple(sequences.first.shape)}, {tuple(sequences.counts.shape)}")  # fmt: skip
+    head_dim = width // (3 * heads)
+    c = _constants(sequences.tokens, heads, head_dim, launch, backward)
+    grid = (triton.cdiv(atoms, c["BLOCK"] // sequences.tokens) + triton.cdiv(edges, c["BLOCK"]),)
+    return head_dim, grid, c
+
+
+def forward_packed(qkv: torch.Tensor, node_qkv: torch.Tensor, bias: torch.Tensor, sequences: Sequences, heads: int,
+                   scale: float, launch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`forward` on sequences of different lengths, stored without padding: the
+    queries, keys and values of the edge tokens ``qkv`` [E, 3*H*D] and of the atoms' centre
+    tokens ``node_qkv`` [N, 3*H*D], a bias [E] per edge token as key (0 for the centre
+    tokens; -inf drops a key), all float32 and contiguous, and the sequences' rows
+    ``sequences``. Returns the outputs of the edge tokens [E, H*D] (zero in the rows from
+    ``sequences.total`` on) and of the centre tokens [N, H*D]. The blocks are those of
+    :func:`forward` for sequences of ``sequences.tokens`` tokens (the mask of atom a's
+    scores: ``bias`` of its real tokens, -inf past them)."""
+    head_dim, grid, constants = _packed_launch(qkv, node_qkv, bias, sequences, heads, launch, backward=False)
+    out, node_out = qkv.new_empty(qkv.shape[0], heads * head_dim), qkv.new_empty(node_qkv.shape[0], heads * head_dim)
+    with on_device(qkv.device):
+        _packed_forward[grid](qkv, node_qkv, bias, sequences.first, sequences.counts, sequences.total, out, node_out,
+                              node_qkv.shape[0], sequences.tokens, qkv.shape[0], scale, **constants)  # fmt: skip
+    return out, node_out
+
+
+def backward_packed(grad_out: torch.Tensor, node_grad_out: torch.Tensor, qkv: torch.Tensor, node_qkv: torch.Tensor,
+                    bias: torch.Tensor, sequences: Sequences, heads: int, scale: float,
+                    launch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Gradients of :func:`forward_packed` with respect to ``qkv``, ``node_qkv`` and ``bias``
+    (zero in the edge rows from ``sequences.total`` on), for the output gradients
+    ``grad_out`` [E, H*D] and ``node_grad_out`` [N, H*D]."""
+    _, grid, constants = _packed_launch(qkv, node_qkv, bias, sequences, heads, launch, backward=True)
+    grad_qkv, node_grad_qkv, grad_bias = torch.empty_like(qkv), torch.empty_like(node_qkv), torch.empty_like(bias)
+    with on_device(qkv.device):
+        _packed_backward[grid](qkv, node_qkv, bias, sequences.first, sequences.counts, sequences.total,
+                               grad_out.contiguous(), node_grad_out.contiguous(), grad_qkv, node_grad_qkv, grad_bias,
+                               node_qkv.shape[0], sequences.tokens, qkv.shape[0], scale, **constants)  # fmt: skip
+    return grad_qkv, node_grad_qkv, grad_bias

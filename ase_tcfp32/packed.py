@@ -1,0 +1,140 @@
+"""PET on packed rows: each atom's real neighbours only, no neighbour-table padding.
+
+metatrain's PET works on an [atoms, J] table of neighbour slots, J being the largest
+neighbour count; every edge GEMM, norm, feed-forward and message combination runs on the
+padding slots too. In water at 17,280 atoms only 77% of PET-S's slots are real (counts
+24-39 for a table of 41 columns; 81% with PET-M's), so about a quarter of the edge work
+is spent on zeros.
+
+Here the edge tensors are [E, d]: the kept pairs, atom by atom (a centre atom's
+neighbours in consecutive rows, :class:`Packed`), in a buffer of fixed capacity whose
+rows past the real ones hold nothing. The centre tokens stay in their own [N, d]
+tensors: the transformer layers run their per-token modules on both, and only the
+attention (:func:`ase_tcfp32.attention.tc_attention_packed`) reads an atom's centre
+token next to its neighbours' rows. The modules are metatrain's (and the model's swapped
+ones: tensor-core Linear layers, fused SwiGLU, message combination, folded compression),
+called in metatrain's order; only the layout of their rows differs. The padding slots of
+metatrain's table weigh 1e-15 in its attention (the cutoff factors are clamped there)
+and none here, so float64 results agree to ~1e-15 relative (``tests/test_packed.py``).
+
+Supported: feed-forward featurizers (every PET-MAD and uPET model) with PreLN or PostLN
+transformer layers, and no system conditioning, evaluated with the attention on tensor
+cores (:func:`ase_tcfp32.attention.on_tensor_cores`): :func:`unsupported_reason`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .attention import tc_attention_packed
+from .folded import folded
+from .fused import combine_messages
+from .models import Recomputed
+
+
+class Packed(NamedTuple):
+    """PET's inputs on packed rows: R edge rows, N atoms."""
+
+    species: torch.Tensor  # [N] int64: the atoms' species indices
+    neighbor_species: torch.Tensor  # [R] int64 (0 in the padding rows)
+    vectors: torch.Tensor  # [R, 3] Å, centre to neighbour (0 in the padding rows)
+    factors: torch.Tensor  # [R] cutoff factors (0 in the padding rows)
+    centers: torch.Tensor  # [R] int64: each row's centre atom (0 in the padding rows)
+    real: torch.Tensor  # [R] bool
+    reverse: torch.Tensor  # [R] int64: the row of the reverse pair (a padding row: itself)
+    sequences: object  # ase_tcfp32.kernels.attention.Sequences: each atom's rows
+
+
+def unsupported_reason(pet: torch.nn.Module) -> str | None:
+    """Why :func:`energies` cannot evaluate this metatrain PET, or None."""
+    backend = pet.backend
+    if backend.featurizer_type != "feedforward":
+        return f"its featurizer is {backend.featurizer_type!r}, not 'feedforward'"
+    if backend.system_conditioning is not None:
+        return "it is conditioned on charge and spin"
+    types = {layer.transformer_type for gnn in backend.gnn_layers for layer in _inner(gnn).trans.layers}
+    if not types <= {"PreLN", "PostLN"}:
+        return f"its transformer layers are {sorted(types)}"
+    return None
+
+
+def _inner(layer: torch.nn.Module) -> torch.nn.Module:
+    return layer.module if isinstance(layer, Recomputed) else layer
+
+
+def _attention(block: torch.nn.Module, edges: torch.Tensor, nodes: torch.Tensor, bias: torch.Tensor,
+               sequences) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """metatrain's ``AttentionBlock`` on the edge tokens [R, d] and centre tokens [N, d]."""
+    scale = 1.0 / (block.head_dim**0.5 * block.temperature)
+    out, node_out = tc_attention_packed(block.input_linear(edges), block.input_linear(nodes), bias, sequences,
+                                        block.num_heads, scale)  # fmt: skip
+    return block.output_linear(out), block.output_linear(node_out)
+
+
+def _transformer_layer(layer: torch.nn.Module, nodes: torch.Tensor, edges: torch.Tensor, bias: torch.Tensor,
+                       sequences) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """metatrain's ``TransformerLayer`` (PreLN or PostLN) on packed rows: its token
+    ``cat`` and ``split`` become two tensors that only the attention reads together."""
+    centre = layer.center_contraction(nodes)
+    if layer.transformer_type == "PreLN":
+        new_edges, new_centre = _attention(layer.attention, layer.norm_attention(edges), layer.norm_attention(centre),
+                                           bias, sequences)  # fmt: skip
+        edges = edges + new_edges
+        edges = edges + layer.mlp(layer.norm_mlp(edges))
+    else:
+        new_edges, new_centre = _attention(layer.attention, edges, centre, bias, sequences)
+        edges, new_centre = layer.norm_attention(edges + new_edges), layer.norm_attention(centre + new_centre)
+        edges, new_centre = layer.norm_mlp(edges + layer.mlp(edges)), layer.norm_mlp(new_centre + layer.mlp(new_centre))
+    if layer.expanded_node_features:
+        nodes = nodes + layer.center_expansion(new_centre)
+        return nodes + layer.center_mlp(layer.norm_center_features(nodes)), edges
+    return new_centre, edges
+
+
+def _gnn_layer(layer: torch.nn.Module, nodes: torch.Tensor, messages: torch.Tensor, packed: Packed) -> tuple:
+    """metatrain's ``CartesianTransformer`` on packed rows, its compression folded
+    (:mod:`ase_tcfp32.folded`): the nodes [N, d_node] and edge messages [R, d] out."""
+    fold = folded(layer)
+    distances = torch.sqrt(torch.sum(packed.vectors**2, dim=1) + 1e-15)  # as metatrain's table
+    geometry = torch.cat([packed.vectors, distances[:, None]], dim=1)
+    table = fold.species[0] if layer.is_first else fold.species[packed.neighbor_species]
+    compressed = torch.addmm(table, geometry, fold.geometry.T) + fold.messages(messages)
+    edges = layer.compress[2](layer.compress[1](compressed))
+    bias = torch.log(torch.clamp(packed.factors, layer.trans.layers[0].attention.epsilon))
+    for transformer_layer in layer.trans.layers:
+        nodes, edges = _transformer_layer(transformer_layer, nodes, edges, bias, packed.sequences)
+    return nodes, edges
+
+
+def features(backend: torch.nn.Module, packed: Packed) -> tuple[torch.Tensor, torch.Tensor]:
+    """metatrain's feed-forward featurizer on packed rows: the last GNN layer's node
+    features [N, d_node] and edge features [R, d_pet] (zero-weighted in the padding rows)."""
+    nodes = backend.node_embedders[0](packed.species)
+    edges = backend.edge_embedder(packed.neighbor_species)
+    layers = (backend.combination_norms, backend.combination_mlps, backend.gnn_layers, backend.gnn_layers_post_mp_node,
+              backend.gnn_layers_post_mp_edge)  # fmt: skip
+    for norm, mlp, gnn_layer, post_node, post_edge in zip(*layers, strict=True):
+        if isinstance(gnn_layer, Recomputed) and torch.is_grad_enabled():
+            out_nodes, out_edges = torch.utils.checkpoint.checkpoint(_gnn_layer, gnn_layer.module, nodes, edges, packed,
+                                                                     use_reentrant=False)  # fmt: skip
+        else:
+            out_nodes, out_edges = _gnn_layer(_inner(gnn_layer), nodes, edges, packed)
+        edges = edges + out_edges + mlp(combine_messages(out_edges, packed.reverse, norm))
+        nodes, edges = post_node(out_nodes), post_edge(edges)
+    return nodes, edges
+
+
+def energies(backend: torch.nn.Module, packed: Packed) -> torch.Tensor:
+    """PET's per-atom energies [N] (before the scaler and composition model: the first
+    property of the energy's first block), its edge terms weighted by the cutoff factors
+    and summed over each atom's rows, as metatrain's readout does over its table."""
+    nodes, edges = features(backend, packed)
+    node_features = backend.node_heads["energy"][0](nodes)
+    edge_features = backend.edge_heads["energy"][0](edges)
+    node_last, edge_last = (next(iter(layers["energy"][0].values())) for layers in (backend.node_last_layers,
+                                                                                     backend.edge_last_layers))  # fmt: skip
+    edge_terms = torch.where(packed.real, edge_last(edge_features)[:, 0], 0.0) * packed.factors
+    per_atom = node_last(node_features)[:, 0]
+    return per_atom + torch.zeros_like(per_atom).index_add_(0, packed.centers, edge_terms)
