@@ -1,0 +1,72 @@
+"""PET on packed rows (ase_tcfp32.packed) against metatrain's neighbour table, in float64:
+nothing but the table's padding (weighted 1e-15 in its attention) separates them."""
+
+import numpy as np
+import pytest
+import torch
+
+from ase_tcfp32.lean import LeanPET
+from ase_tcfp32.models import random_pet, recompute_gnn_layers
+
+
+@pytest.fixture(scope="module")
+def pet64():
+    return random_pet("tiny", seed=11, atomic_types=[1, 6, 8, 78]).to(torch.float64).eval()
+
+
+def _both(pet, structures, **packed_options):
+    table = LeanPET(pet, torch.device("cpu")).compute(structures, stress=True)
+    lean = LeanPET(pet, torch.device("cpu"), packed=True, **packed_options)
+    return table, lean.compute(structures, stress=True), lean
+
+
+def _assert_same(table, packed):
+    for a, b in zip(table, packed, strict=True):
+        scale = np.abs(a["forces"]).max()
+        assert scale > 1e-3  # not trivially small
+        assert abs(a["energy"] - b["energy"]) <= 1e-12 * abs(a["energy"])
+        assert np.abs(a["energies"] - b["energies"]).max() <= 1e-12 * np.abs(a["energies"]).max()
+        assert np.abs(a["forces"] - b["forces"]).max() <= 1e-12 * scale
+        if "stress" in a:
+            assert np.abs(a["stress"] - b["stress"]).max() <= 1e-12 * np.abs(a["stress"]).max()
+
+
+def test_packed_rows_give_the_tables_results(pet64, water, pt_bulk, ethanol):
+    """Water, a cell whose atoms see their own images, a molecule, and all three in one batch."""
+    for structures in ([water], [pt_bulk], [ethanol], [water, pt_bulk, ethanol]):
+        _assert_same(*_both(pet64, structures)[:2])
+
+
+def test_a_step_with_too_few_rows_is_redone_with_more(pet64, water):
+    lean = _both(pet64, [water])[2]
+    lean._set_rows(100)  # as if the rows had been sized for far fewer pairs
+    moved = water.copy()
+    moved.positions[0] += 0.05
+    again = lean.compute([moved], stress=True)
+    _assert_same(LeanPET(pet64, torch.device("cpu")).compute([moved], stress=True), again)
+    assert lean.rows > 100
+
+
+def test_recomputed_gnn_layers_on_packed_rows(water):
+    """low_memory=True: the layers run again in the backward, on packed rows too; same forces."""
+    pet = random_pet("tiny", seed=11, atomic_types=[1, 8]).to(torch.float64).eval()
+    first = LeanPET(pet, torch.device("cpu"), packed=True).compute([water], stress=True)[0]
+    recompute_gnn_layers(pet)
+    again = LeanPET(pet, torch.device("cpu"), packed=True).compute([water], stress=True)[0]
+    assert np.array_equal(first["forces"], again["forces"]) and first["energy"] == again["energy"]
+
+
+def test_packed_rows_refuse_what_they_cannot_evaluate():
+    pet = random_pet("tiny", seed=0, atomic_types=[1, 8])
+    with pytest.raises(ValueError, match="packed rows cannot evaluate this model: compile=True"):
+        LeanPET(pet, torch.device("cpu"), packed=True, compile=True)
+    pet.backend.featurizer_type = "residual"
+    with pytest.raises(ValueError, match="its featurizer is 'residual', not 'feedforward'"):
+        LeanPET(pet, torch.device("cpu"), packed=True)
+
+
+def test_calculators_pack_rows_only_with_the_attention_on_tensor_cores(tiny_ckpt):
+    from ase_tcfp32 import TCPETCalculator
+
+    calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine="lean")
+    assert not calc._lean.packed and "neighbour table" in calc._repr_html_()
