@@ -829,7 +829,7 @@ def test_packed_attention_is_as_accurate_as_torch_fp32(head_dim):
     results = {}
     for name, attend, dtype in (("ours", tc_attention_packed, torch.float32), ("torch", packed_attention_in_torch, torch.float32),
                                 ("exact", packed_attention_in_torch, torch.float64)):  # fmt: skip
-        inputs = [t.to(dtype).requires_grad_() for t in (qkv, node_qkv, bias)]
+        inputs = [t.detach().to(dtype).clone().requires_grad_() for t in (qkv, node_qkv, bias)]
         outputs = attend(*inputs, sequences, 8, head_dim**-0.5)
         torch.autograd.backward(outputs, [t.to(dtype) for t in grads])
         results[name] = [o.detach() for o in outputs] + [t.grad for t in inputs]
