@@ -11,7 +11,10 @@ errors against FP64 on the first 1024 atoms: the largest normwise relative error
 one (atom, head) output, and normwise relative errors of the gradients.
 
 ``--configs`` adds launch configurations of our kernel to try (``BLOCK:warps:stages``,
-comma-separated; ``default`` is the one the package picks).
+comma-separated; ``default`` is the one the package picks) and ``packed``: our kernels on
+the same sequences stored as the lean engine stores them (``tc_attention_packed``: each
+atom's real tokens only, the centre token in its own tensor, a bias per key), errors
+against FP64 of the packed form (its padding keys dropped, where SDPA's weigh 1e-15).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import triton
 from gemm import PAD_WIDTH
 from triton.testing import do_bench
 
-from ase_tcfp32.attention import tc_attention
+from ase_tcfp32.attention import packed_attention_in_torch, tc_attention, tc_attention_packed
 from ase_tcfp32.kernels import attention as kernels
 from ase_tcfp32.validation.common import environment
 
@@ -108,6 +111,42 @@ def measure(size: str, atoms: int, name: str, function, config: dict | None) -> 
     return [dict(row, **{"pass": "fwd", "ms": forward_ms}), dict(row, **{"pass": "fwd+bwd", "ms": both_ms})]
 
 
+def measure_packed(size: str, atoms: int) -> list[dict]:
+    """``tc_attention_packed`` on the sequences of :func:`inputs` without their padding slots."""
+    qkv, mask, scale = inputs(size, atoms)
+    real = qkv.shape[1] - 4  # neighbours per atom: the last 3 slots are padding
+    node_qkv, edge_qkv = qkv[:, 0].contiguous(), qkv[:, 1 : 1 + real].reshape(-1, qkv.shape[2])
+    bias = mask[:, 0, 1 : 1 + real].reshape(-1).contiguous()
+    counts = torch.full((atoms,), real, device="cuda")
+    sequences = kernels.Sequences(torch.arange(atoms, device="cuda") * real, counts, counts.sum(), qkv.shape[1])
+    grads = torch.randn(len(edge_qkv), qkv.shape[2] // 3, device="cuda"), torch.randn(atoms, qkv.shape[2] // 3, device="cuda")
+    forward_ms = do_bench(lambda: tc_attention_packed(edge_qkv, node_qkv, bias, sequences, HEADS, scale), warmup=25, rep=200)
+    leaves = [t.clone().requires_grad_() for t in (edge_qkv, node_qkv, bias)]
+
+    def both():
+        for t in leaves:
+            t.grad = None
+        torch.autograd.backward(tc_attention_packed(*leaves, sequences, HEADS, scale), grads)
+
+    both_ms = do_bench(both, warmup=25, rep=200)
+    n = min(atoms, CHECKED)
+    checked = kernels.Sequences(sequences.first[:n], counts[:n], torch.tensor(n * real, device="cuda"), qkv.shape[1])
+    found = {}
+    for name, function, dtype in (("ours", tc_attention_packed, torch.float32), ("exact", packed_attention_in_torch, torch.float64)):
+        part = [t[: n * real if len(t) > atoms else n].detach().to(dtype).clone().requires_grad_()
+                for t in (edge_qkv, node_qkv, bias)]  # fmt: skip
+        out = function(*part, checked, HEADS, scale)
+        torch.autograd.backward(out, [g[: len(o)].to(dtype) for g, o in zip(grads, out)])
+        found[name] = torch.cat([out[1], out[0]]), torch.cat([part[1].grad, part[0].grad]), part[2].grad
+    per_head = lambda t: t.reshape(len(t), HEADS, -1)  # noqa: E731
+    (out, grad_qkv, grad_bias), (exact, exact_qkv, exact_bias) = found["ours"], found["exact"]
+    head_errors = (per_head(out.double()) - per_head(exact)).norm(dim=-1) / per_head(exact).norm(dim=-1)
+    rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
+    row = {"model": size, "atoms": atoms, "tokens": qkv.shape[1], "kernel": "tc_attention_packed", "config": "packed",
+           "error": head_errors.max().item(), "error_grad_qkv": rel(grad_qkv, exact_qkv), "error_grad_mask": rel(grad_bias, exact_bias)}  # fmt: skip
+    return [dict(row, **{"pass": "fwd", "ms": forward_ms}), dict(row, **{"pass": "fwd+bwd", "ms": both_ms})]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="s,m")
@@ -122,6 +161,8 @@ def main() -> None:
             for spec in ["sdpa", *args.configs.split(",")]:
                 if spec == "sdpa":
                     name, function, config = "sdpa", sdpa, None
+                elif spec == "packed":
+                    name, function, config = "tc_attention_packed", None, "packed"
                 elif spec == "default":
                     shape = (PAD_WIDTH[(size, atoms)] + 1, D_PET[size] // HEADS)
                     config = {"forward": kernels.config(*shape), "backward": kernels.config(*shape, backward=True)}
@@ -131,7 +172,7 @@ def main() -> None:
                     config = dict(BLOCK=block, num_warps=warps, STAGES=stages)
                     name, function = "tc_attention", ours(config)
                 try:
-                    found = measure(size, atoms, name, function, config)
+                    found = measure_packed(size, atoms) if spec == "packed" else measure(size, atoms, name, function, config)
                 except triton.runtime.errors.OutOfResources as error:
                     print(f"{size} {atoms:6d} {config}: {error}", flush=True)
                     continue

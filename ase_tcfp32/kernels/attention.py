@@ -205,26 +205,27 @@ def _forward_heads(inputs, outputs, real, bias, scale, H: tl.constexpr, D: tl.co
 
 
 @triton.jit
-def _backward_heads(inputs, grad_outputs, grad_inputs, real, bias, scale, H: tl.constexpr, D: tl.constexpr,
-                    DP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
-    """The gradients of :func:`_forward_heads` with respect to qkv (stored at ``grad_inputs``
-    [BLOCK, 1]) for the output gradient at ``grad_outputs``; returns the scores' gradient
-    [BLOCK, BLOCK], summed over the heads (the bias's)."""
-    C: tl.constexpr = H * D
-    grad_bias = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-    for h in tl.range(0, H, num_stages=STAGES):
-        x, io = _columns(real, 0, D, DP)  # the head's columns, padded to DP
-        q, k, v = _head(inputs + h * D + x, io, C)
-        do = tl.load(grad_outputs + h * D + x, mask=io, other=0.0)
-        p = _softmax(_dot3(q, tl.trans(k)) * scale + bias)
-        grads = grad_inputs + h * D + x
-        tl.store(grads + 2 * C, _dot3(tl.trans(p), do), mask=io)  # dV = P^T dO
-        dp = _dot3(do, tl.trans(v))
-        ds = p * (dp - tl.sum(p * dp, 1)[:, None])  # the gradient of the masked scores
+def _backward_head(inputs, grad_outputs, grad_inputs, real, bias, scale, h, grad_bias, C: tl.constexpr,
+                   D: tl.constexpr, DP: tl.constexpr, COLUMNS: tl.constexpr):  # fmt: skip
+    """The gradients of :func:`_forward_heads` for head ``h`` with respect to qkv (stored at
+    ``grad_inputs`` [BLOCK, 1]) for the output gradient at ``grad_outputs``; returns
+    ``grad_bias`` plus the gradient of the head's scores [BLOCK, BLOCK] (``COLUMNS``: plus
+    its column sums [BLOCK], a bias per key's share)."""
+    x, io = _columns(real, 0, D, DP)  # the head's columns, padded to DP
+    q, k, v = _head(inputs + h * D + x, io, C)
+    do = tl.load(grad_outputs + h * D + x, mask=io, other=0.0)
+    p = _softmax(_dot3(q, tl.trans(k)) * scale + bias)
+    grads = grad_inputs + h * D + x
+    tl.store(grads + 2 * C, _dot3(tl.trans(p), do), mask=io)  # dV = P^T dO
+    dp = _dot3(do, tl.trans(v))
+    ds = p * (dp - tl.sum(p * dp, 1)[:, None])  # the gradient of the masked scores
+    if COLUMNS:
+        grad_bias += tl.sum(ds, 0)
+    else:
         grad_bias += ds
-        ds = ds * scale
-        tl.store(grads, _dot3(ds, k), mask=io)  # dQ
-        tl.store(grads + C, _dot3(tl.trans(ds), q), mask=io)  # dK
+    ds = ds * scale
+    tl.store(grads, _dot3(ds, k), mask=io)  # dQ
+    tl.store(grads + C, _dot3(tl.trans(ds), q), mask=io)  # dK
     return grad_bias
 
 
@@ -243,8 +244,10 @@ def _attention_backward(qkv_ptr, mask_ptr, grad_out_ptr, grad_qkv_ptr, grad_mask
                         STAGES: tl.constexpr):  # fmt: skip
     row, real, bias, offsets, same = _program_block(mask_ptr, B, T, BLOCK)
     C: tl.constexpr = H * D
-    grad_bias = _backward_heads(qkv_ptr + row[:, None] * 3 * C, grad_out_ptr + row[:, None] * C,
-                                grad_qkv_ptr + row[:, None] * 3 * C, real, bias, scale, H, D, DP, BLOCK, STAGES)  # fmt: skip
+    grad_bias = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)  # summed over the heads
+    for h in tl.range(0, H, num_stages=STAGES):
+        grad_bias = _backward_head(qkv_ptr + row[:, None] * 3 * C, grad_out_ptr + row[:, None] * C,
+                                   grad_qkv_ptr + row[:, None] * 3 * C, real, bias, scale, h, grad_bias, C, D, DP, False)  # fmt: skip
     tl.store(grad_mask_ptr + offsets, grad_bias, mask=same)
 
 
@@ -285,12 +288,14 @@ def _packed_backward(qkv_ptr, node_qkv_ptr, bias_ptr, first_ptr, counts_ptr, tot
     if tl.program_id(0) < blocks:
         atom, edge, real, centre, seq = _packed_block(first_ptr, counts_ptr, B, T, BLOCK)
         bias = _key_bias(bias_ptr, edge, real, centre, seq)
-        grad_bias = _backward_heads(_rows(qkv_ptr, node_qkv_ptr, atom, edge, centre, 3 * C),
-                                    _rows(grad_out_ptr, node_grad_out_ptr, atom, edge, centre, C),
-                                    _rows(grad_qkv_ptr, node_grad_qkv_ptr, atom, edge, centre, 3 * C),
-                                    real, bias, scale, H, D, DP, BLOCK, STAGES)  # fmt: skip
-        # each key's bias is shared by its sequence's queries: the sum of its column
-        tl.store(grad_bias_ptr + edge, tl.sum(grad_bias, 0), mask=real & (centre == 0))
+        inputs = _rows(qkv_ptr, node_qkv_ptr, atom, edge, centre, 3 * C)
+        grad_outputs = _rows(grad_out_ptr, node_grad_out_ptr, atom, edge, centre, C)
+        grad_inputs = _rows(grad_qkv_ptr, node_grad_qkv_ptr, atom, edge, centre, 3 * C)
+        # each key's bias is shared by its sequence's queries: the sums of its columns, over the heads
+        grad_bias = tl.zeros((BLOCK,), dtype=tl.float32)
+        for h in tl.range(0, H, num_stages=STAGES):
+            grad_bias = _backward_head(inputs, grad_outputs, grad_inputs, real, bias, scale, h, grad_bias, C, D, DP, True)
+        tl.store(grad_bias_ptr + edge, grad_bias, mask=real & (centre == 0))
     else:
         start = (tl.program_id(0) - blocks).to(tl.int64) * BLOCK
         _zero_tail(grad_qkv_ptr, total_ptr, E, start, 3 * C, BLOCK)
