@@ -126,10 +126,10 @@ def _program_block(mask_ptr, B, T, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _packed_block(first_ptr, counts_ptr, B, T, BLOCK: tl.constexpr):
+def _packed_block(bias_ptr, first_ptr, counts_ptr, B, T, BLOCK: tl.constexpr):
     """This program's block of packed sequences (see :func:`forward_packed`): for each of
     its BLOCK token slots, the atom, the edge row of a neighbour token, whether the slot
-    is real and whether it is the atom's centre token, and its sequence in the block."""
+    is real and whether it is the atom's centre token; and the scores' bias [BLOCK, BLOCK]."""
     pack = BLOCK // T
     r = tl.arange(0, BLOCK)
     seq = r // T
@@ -138,7 +138,7 @@ def _packed_block(first_ptr, counts_ptr, B, T, BLOCK: tl.constexpr):
     inside = (seq < pack) & (atom < B)
     real = inside & (tok <= tl.load(counts_ptr + atom, mask=inside, other=-1))
     edge = tl.load(first_ptr + atom, mask=inside, other=1) + tok - 1
-    return atom, edge, real, tok == 0, seq
+    return atom, edge, real, tok == 0, _key_bias(bias_ptr, edge, real, tok == 0, seq)
 
 
 @triton.jit
@@ -270,8 +270,7 @@ def _packed_forward(qkv_ptr, node_qkv_ptr, bias_ptr, first_ptr, counts_ptr, tota
     C: tl.constexpr = H * D
     blocks = tl.cdiv(B, BLOCK // T)
     if tl.program_id(0) < blocks:
-        atom, edge, real, centre, seq = _packed_block(first_ptr, counts_ptr, B, T, BLOCK)
-        bias = _key_bias(bias_ptr, edge, real, centre, seq)
+        atom, edge, real, centre, bias = _packed_block(bias_ptr, first_ptr, counts_ptr, B, T, BLOCK)
         _forward_heads(_rows(qkv_ptr, node_qkv_ptr, atom, edge, centre, 3 * C),
                        _rows(out_ptr, node_out_ptr, atom, edge, centre, C), real, bias, scale, H, D, DA, DB, STAGES)  # fmt: skip
     else:  # the edge rows past the real ones
@@ -286,8 +285,7 @@ def _packed_backward(qkv_ptr, node_qkv_ptr, bias_ptr, first_ptr, counts_ptr, tot
     C: tl.constexpr = H * D
     blocks = tl.cdiv(B, BLOCK // T)
     if tl.program_id(0) < blocks:
-        atom, edge, real, centre, seq = _packed_block(first_ptr, counts_ptr, B, T, BLOCK)
-        bias = _key_bias(bias_ptr, edge, real, centre, seq)
+        atom, edge, real, centre, bias = _packed_block(bias_ptr, first_ptr, counts_ptr, B, T, BLOCK)
         inputs = _rows(qkv_ptr, node_qkv_ptr, atom, edge, centre, 3 * C)
         grad_outputs = _rows(grad_out_ptr, node_grad_out_ptr, atom, edge, centre, C)
         grad_inputs = _rows(grad_qkv_ptr, node_grad_qkv_ptr, atom, edge, centre, 3 * C)
