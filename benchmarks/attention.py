@@ -137,8 +137,9 @@ def measure_packed(size: str, atoms: int) -> list[dict]:
                 for t in (edge_qkv, node_qkv, bias)]  # fmt: skip
         out = function(*part, checked, HEADS, scale)
         torch.autograd.backward(out, [g[: len(o)].to(dtype) for g, o in zip(grads, out)])
-        found[name] = torch.cat([out[1], out[0]]), torch.cat([part[1].grad, part[0].grad]), part[2].grad
-    per_head = lambda t: t.reshape(len(t), HEADS, -1)  # noqa: E731
+        # outputs by sequence [n, T - 3, C], centre token first, as the padded rows' errors are taken
+        found[name] = torch.cat([out[1][:, None], out[0].reshape(n, real, -1)], 1), torch.cat([part[1].grad, part[0].grad]), part[2].grad
+    per_head = lambda t: t.reshape(*t.shape[:2], HEADS, -1).transpose(1, 2).flatten(2)  # noqa: E731
     (out, grad_qkv, grad_bias), (exact, exact_qkv, exact_bias) = found["ours"], found["exact"]
     head_errors = (per_head(out.double()) - per_head(exact)).norm(dim=-1) / per_head(exact).norm(dim=-1)
     rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
