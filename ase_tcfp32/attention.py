@@ -129,9 +129,15 @@ def tc_attention_packed(qkv: torch.Tensor, node_qkv: torch.Tensor, bias: torch.T
     [E] per neighbour token as key (the centre token's is 0). Returns the outputs of the
     neighbour tokens [E, H*D] and of the centre tokens [N, H*D], differentiable with
     respect to ``qkv``, ``node_qkv`` and ``bias``; float32 CUDA tensors (or CPU tensors
-    under Triton's interpreter); other tensors take the same sequences padded, in torch
+    under Triton's interpreter); other tensors, and sequences longer than the kernels take
+    (with a warning), take the same sequences padded, in torch
     (:func:`packed_attention_in_torch`)."""
     if qkv.dtype != torch.float32 or not (qkv.is_cuda or INTERPRETED):
+        return packed_attention_in_torch(qkv, node_qkv, bias, sequences, heads, scale)
+    head_dim = qkv.shape[1] // (3 * heads)
+    if sequences.tokens > _kernels().max_tokens(head_dim):
+        warnings.warn(f"PET attention runs in torch, slower: the kernels take at most {_kernels().max_tokens(head_dim)} "
+                      f"tokens with heads of {head_dim}, these sequences have up to {sequences.tokens}", stacklevel=2)  # fmt: skip
         return packed_attention_in_torch(qkv, node_qkv, bias, sequences, heads, scale)
     return _PackedAttentionFunction.apply(qkv.contiguous(), node_qkv.contiguous(), bias.contiguous(), sequences, heads,
                                           scale)  # fmt: skip

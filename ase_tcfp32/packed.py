@@ -64,27 +64,29 @@ def _inner(layer: torch.nn.Module) -> torch.nn.Module:
     return layer.module if isinstance(layer, Recomputed) else layer
 
 
-def _attention(block: torch.nn.Module, edges: torch.Tensor, nodes: torch.Tensor, bias: torch.Tensor,
+def _attention(block: torch.nn.Module, edges: torch.Tensor, nodes: torch.Tensor, factors: torch.Tensor,
                sequences) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """metatrain's ``AttentionBlock`` on the edge tokens [R, d] and centre tokens [N, d]."""
+    """metatrain's ``AttentionBlock`` on the edge tokens [R, d] and centre tokens [N, d],
+    the edges' cutoff ``factors`` [R] weighting them as keys (the centre tokens': 1)."""
     scale = 1.0 / (block.head_dim**0.5 * block.temperature)
+    bias = torch.log(torch.clamp(factors, block.epsilon))
     out, node_out = tc_attention_packed(block.input_linear(edges), block.input_linear(nodes), bias, sequences,
                                         block.num_heads, scale)  # fmt: skip
     return block.output_linear(out), block.output_linear(node_out)
 
 
-def _transformer_layer(layer: torch.nn.Module, nodes: torch.Tensor, edges: torch.Tensor, bias: torch.Tensor,
+def _transformer_layer(layer: torch.nn.Module, nodes: torch.Tensor, edges: torch.Tensor, factors: torch.Tensor,
                        sequences) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """metatrain's ``TransformerLayer`` (PreLN or PostLN) on packed rows: its token
     ``cat`` and ``split`` become two tensors that only the attention reads together."""
     centre = layer.center_contraction(nodes)
     if layer.transformer_type == "PreLN":
         new_edges, new_centre = _attention(layer.attention, layer.norm_attention(edges), layer.norm_attention(centre),
-                                           bias, sequences)  # fmt: skip
+                                           factors, sequences)  # fmt: skip
         edges = edges + new_edges
         edges = edges + layer.mlp(layer.norm_mlp(edges))
     else:
-        new_edges, new_centre = _attention(layer.attention, edges, centre, bias, sequences)
+        new_edges, new_centre = _attention(layer.attention, edges, centre, factors, sequences)
         edges, new_centre = layer.norm_attention(edges + new_edges), layer.norm_attention(centre + new_centre)
         edges, new_centre = layer.norm_mlp(edges + layer.mlp(edges)), layer.norm_mlp(new_centre + layer.mlp(new_centre))
     if layer.expanded_node_features:
@@ -102,9 +104,8 @@ def _gnn_layer(layer: torch.nn.Module, nodes: torch.Tensor, messages: torch.Tens
     table = fold.species[0] if layer.is_first else fold.species[packed.neighbor_species]
     compressed = torch.addmm(table, geometry, fold.geometry.T) + fold.messages(messages)
     edges = layer.compress[2](layer.compress[1](compressed))
-    bias = torch.log(torch.clamp(packed.factors, layer.trans.layers[0].attention.epsilon))
     for transformer_layer in layer.trans.layers:
-        nodes, edges = _transformer_layer(transformer_layer, nodes, edges, bias, packed.sequences)
+        nodes, edges = _transformer_layer(transformer_layer, nodes, edges, packed.factors, packed.sequences)
     return nodes, edges
 
 

@@ -37,6 +37,16 @@ def test_packed_rows_give_the_tables_results(pet64, water, pt_bulk, ethanol):
         _assert_same(*_both(pet64, structures)[:2])
 
 
+def test_atoms_without_neighbours_on_packed_rows(pet64):
+    """An isolated atom (no pairs at all) and a dimer: sequences of the centre token alone."""
+    from ase import Atoms
+
+    for atoms in (Atoms("O", positions=[[0, 0, 0]]), Atoms("OH", positions=[[0, 0, 0], [0, 0, 0.97]])):
+        table, packed, _ = _both(pet64, [atoms])
+        assert packed[0]["energy"] == pytest.approx(table[0]["energy"], rel=1e-12, abs=1e-12)
+        assert np.abs(packed[0]["forces"] - table[0]["forces"]).max() <= 1e-12 * max(1.0, np.abs(table[0]["forces"]).max())
+
+
 def test_a_step_with_too_few_rows_is_redone_with_more(pet64, water):
     lean = _both(pet64, [water])[2]
     lean._set_rows(100)  # as if the rows had been sized for far fewer pairs

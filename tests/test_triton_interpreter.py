@@ -178,6 +178,17 @@ PACKED_SCRIPT = textwrap.dedent(
         for mine, reference, rows in zip(inputs, exact_inputs, (total, atoms, total)):
             assert rel(mine.grad[:rows], reference.grad[:rows]) < 64 * (most + 1) * u
 
+    # sequences longer than the kernels take (heads of 48: 64 tokens): torch's expression, with a warning that says why
+    import warnings
+    counts = torch.tensor([70, 3])
+    long = Sequences(torch.tensor([0, 70]), counts, torch.tensor(73), 71)
+    qkv, node_qkv, bias = torch.randn(73, 3 * 96, generator=g), torch.randn(2, 3 * 96, generator=g), torch.zeros(73)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = tc_attention_packed(qkv, node_qkv, bias, long, 2, 0.1)
+    assert any("at most 64 tokens with heads of 48, these sequences have up to 71" in str(w.message) for w in caught)
+    assert all(torch.equal(a, b) for a, b in zip(found, packed_attention_in_torch(qkv, node_qkv, bias, long, 2, 0.1)))
+
     # the bundled demo model on packed rows, with the kernels, against metatrain's table
     from ase_tcfp32.lean import LeanPET
     from ase_tcfp32.models import load_pet
