@@ -80,6 +80,20 @@ def folded(self) -> Folded:
     return fold
 
 
+def compress(self, messages: torch.Tensor, vectors: torch.Tensor, distances: torch.Tensor,
+             species: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The layer's edge tokens [..., d] (its ``compress`` applied to ``[edge_embedder([v,
+    |v|]), neighbor_embedder(species), m]``) through its :func:`folded` weights, for the
+    input ``messages`` [..., d], edge ``vectors`` [..., 3] (Å), their ``distances`` [...]
+    and the neighbours' ``species`` indices [...], in any layout of the slots (metatrain's
+    [atoms, J] table or packed rows)."""
+    fold, d = folded(self), messages.shape[-1]
+    geometry = torch.cat([vectors, distances[..., None]], dim=-1).to(vectors.dtype).reshape(-1, 4)
+    table = fold.species[0] if self.is_first else fold.species[species].reshape(-1, d)
+    compressed = torch.addmm(table, geometry, fold.geometry.T).reshape(messages.shape) + fold.messages(messages)
+    return self.compress[2](self.compress[1](compressed))
+
+
 def _forward(self, input_node_embeddings: torch.Tensor, input_messages: torch.Tensor,
              element_indices_neighbors: torch.Tensor, edge_vectors: torch.Tensor, padding_mask: torch.Tensor,
              edge_distances: torch.Tensor, cutoff_factors: torch.Tensor, use_manual_attention: bool) -> tuple:  # fmt: skip
@@ -88,13 +102,7 @@ def _forward(self, input_node_embeddings: torch.Tensor, input_messages: torch.Te
         return super(type(self), self).forward(input_node_embeddings, input_messages, element_indices_neighbors,
                                                edge_vectors, padding_mask, edge_distances, cutoff_factors,
                                                use_manual_attention)  # fmt: skip
-    fold = folded(self)
-    geometry = torch.cat([edge_vectors, edge_distances[:, :, None]], dim=2).to(edge_vectors.dtype)
-    d = input_messages.shape[-1]
-    table = fold.species[0] if self.is_first else fold.species[element_indices_neighbors].reshape(-1, d)
-    compressed = torch.addmm(table, geometry.reshape(-1, 4), fold.geometry.T)
-    compressed = compressed.reshape(input_messages.shape) + fold.messages(input_messages)
-    edge_tokens = self.compress[2](self.compress[1](compressed))
+    edge_tokens = compress(self, input_messages, edge_vectors, edge_distances, element_indices_neighbors)
 
     # from here on, metatrain's CartesianTransformer.forward
     atoms = padding_mask.shape[0]

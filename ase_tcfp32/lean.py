@@ -481,11 +481,14 @@ class LeanPET:
         first = before[pairs.first[:-1]]
         total = before[-1]
         species = self.backend.species_to_species_index[numbers]
-        reverse = torch.where(real, row.index_select(0, pairs.reverse.index_select(0, spread)), torch.arange(rows, device=keep.device))
+        own = torch.arange(rows, device=keep.device)  # a padding row is its own reverse
+        reverse = torch.where(real, row.index_select(0, pairs.reverse.index_select(0, spread)), own)
         sequences = Sequences(first, torch.minimum(counts, (rows - first).clamp_min(0)), total.clamp_max(rows),
                               columns.shape[0] + 1)  # fmt: skip  (no row past the buffer's end is read)
-        inputs = Packed(species, packed(species[pairs.neighbors]), packed(vectors), packed(factors), packed(pairs.centers),
-                        real, reverse.clamp_max(rows - 1), sequences)  # fmt: skip
+        edge_vectors = packed(vectors)
+        distances = torch.sqrt(torch.sum(edge_vectors**2, dim=1) + 1e-15)  # as the table's "edge_distances"
+        inputs = Packed(species, packed(species[pairs.neighbors]), edge_vectors, distances, packed(factors),
+                        packed(pairs.centers), real, reverse.clamp_max(rows - 1), sequences)  # fmt: skip
         return inputs, counts.max(), total
 
     def energy_terms(self, vectors: torch.Tensor, cells: torch.Tensor, numbers: torch.Tensor,

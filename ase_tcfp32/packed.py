@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from .attention import tc_attention_packed
-from .folded import folded
+from .folded import compress
 from .fused import combine_messages
 from .models import Recomputed
 
@@ -40,6 +40,7 @@ class Packed(NamedTuple):
     species: torch.Tensor  # [N] int64: the atoms' species indices
     neighbor_species: torch.Tensor  # [R] int64 (0 in the padding rows)
     vectors: torch.Tensor  # [R, 3] Å, centre to neighbour (0 in the padding rows)
+    distances: torch.Tensor  # [R] Å, their lengths (as metatrain's table: sqrt(|v|² + 1e-15))
     factors: torch.Tensor  # [R] cutoff factors (0 in the padding rows)
     centers: torch.Tensor  # [R] int64: each row's centre atom (0 in the padding rows)
     real: torch.Tensor  # [R] bool
@@ -98,12 +99,7 @@ def _transformer_layer(layer: torch.nn.Module, nodes: torch.Tensor, edges: torch
 def _gnn_layer(layer: torch.nn.Module, nodes: torch.Tensor, messages: torch.Tensor, packed: Packed) -> tuple:
     """metatrain's ``CartesianTransformer`` on packed rows, its compression folded
     (:mod:`ase_tcfp32.folded`): the nodes [N, d_node] and edge messages [R, d] out."""
-    fold = folded(layer)
-    distances = torch.sqrt(torch.sum(packed.vectors**2, dim=1) + 1e-15)  # as metatrain's table
-    geometry = torch.cat([packed.vectors, distances[:, None]], dim=1)
-    table = fold.species[0] if layer.is_first else fold.species[packed.neighbor_species]
-    compressed = torch.addmm(table, geometry, fold.geometry.T) + fold.messages(messages)
-    edges = layer.compress[2](layer.compress[1](compressed))
+    edges = compress(layer, messages, packed.vectors, packed.distances, packed.neighbor_species)
     for transformer_layer in layer.trans.layers:
         nodes, edges = _transformer_layer(transformer_layer, nodes, edges, packed.factors, packed.sequences)
     return nodes, edges
