@@ -108,15 +108,17 @@ def tc_attention(qkv: torch.Tensor, mask: torch.Tensor, heads: int, scale: float
 class _PackedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, node_qkv, bias, sequences, heads, scale):
+        blocks = _kernels().packed_blocks(sequences, heads, qkv.shape[1] // (3 * heads))  # the backward's too
         ctx.sequences, ctx.heads, ctx.scale = sequences, heads, scale
-        ctx.save_for_backward(qkv, node_qkv, bias)
-        return _kernels().forward_packed(qkv, node_qkv, bias, sequences, heads, scale)
+        ctx.save_for_backward(qkv, node_qkv, bias, *blocks)
+        return _kernels().forward_packed(qkv, node_qkv, bias, sequences, heads, scale, blocks=blocks)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out, node_grad_out):
-        qkv, node_qkv, bias = ctx.saved_tensors
-        grads = _kernels().backward_packed(grad_out, node_grad_out, qkv, node_qkv, bias, ctx.sequences, ctx.heads, ctx.scale)
+        qkv, node_qkv, bias, *blocks = ctx.saved_tensors
+        grads = _kernels().backward_packed(grad_out, node_grad_out, qkv, node_qkv, bias, ctx.sequences, ctx.heads,
+                                           ctx.scale, blocks=_kernels().Blocks(*blocks))  # fmt: skip
         return (*grads, None, None, None)
 
 

@@ -125,19 +125,49 @@ def _program_block(mask_ptr, B, T, BLOCK: tl.constexpr):
     return row, real, bias, offsets, same
 
 
+@triton.jit(do_not_specialize=["B", "T", "slots"])
+def _fit_blocks(order_ptr, counts_ptr, blocks_ptr, B, T, slots, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Next-fit of the sequences of atoms ``order[c * CHUNK .. (c + 1) * CHUNK - 1]`` (c:
+    this program; atom a's sequence: ``counts[a] + 1`` tokens, at most T) into blocks of
+    BLOCK token rows, in that order: each block's (first position in ``order``, atoms) into
+    this chunk's ``slots`` rows of ``blocks`` [chunks * slots, 2], 0 atoms in the rows left."""
+    first = tl.program_id(0).to(tl.int64) * CHUNK
+    table = blocks_ptr + 2 * slots * tl.program_id(0).to(tl.int64)
+    start, used, atoms, filled = first, first * 0, first * 0, first * 0
+    for i in range(CHUNK):  # serial, but each chunk's own: ~1 us per 10 atoms on the H200
+        atom = first + i
+        a = tl.load(order_ptr + atom, mask=atom < B, other=0)
+        length = tl.minimum(tl.load(counts_ptr + a, mask=atom < B, other=-1) + 1, T)  # 0 past the last atom
+        full = used + length > BLOCK  # the block is closed: atom starts the next one
+        tl.store(table + 2 * filled, start, mask=full)
+        tl.store(table + 2 * filled + 1, atoms, mask=full)
+        filled += full.to(tl.int64)
+        start = tl.where(full, atom, start)
+        used = tl.where(full, length, used + length)
+        atoms = tl.where(full, 1, atoms + (length > 0).to(tl.int64))
+    tl.store(table + 2 * filled, start, mask=atoms > 0)
+    tl.store(table + 2 * filled + 1, atoms, mask=atoms > 0)
+    filled += (atoms > 0).to(tl.int64)
+    s = tl.arange(0, CHUNK)
+    tl.store(table + 2 * s + 1, s.to(tl.int64) * 0, mask=(s >= filled) & (s < slots))
+
+
 @triton.jit
-def _packed_block(bias_ptr, first_ptr, counts_ptr, B, T, BLOCK: tl.constexpr):
-    """This program's block of packed sequences (see :func:`forward_packed`): for each of
-    its BLOCK token slots, the atom, the edge row of a neighbour token, whether the slot
-    is real and whether it is the atom's centre token; and the scores' bias [BLOCK, BLOCK]."""
-    pack = BLOCK // T
-    r = tl.arange(0, BLOCK)
-    seq = r // T
-    atom = tl.program_id(0).to(tl.int64) * pack + seq
-    tok = r - seq * T
-    inside = (seq < pack) & (atom < B)
-    real = inside & (tok <= tl.load(counts_ptr + atom, mask=inside, other=-1))
-    edge = tl.load(first_ptr + atom, mask=inside, other=1) + tok - 1
+def _packed_block(bias_ptr, first_ptr, counts_ptr, order_ptr, p0, atoms, T, BLOCK: tl.constexpr):
+    """The block of the packed sequences of atoms ``order[p0 .. p0 + atoms - 1]``, one after
+    the other (:func:`fit_blocks`): for each of its BLOCK token slots, the atom, the edge row
+    of a neighbour token, whether the slot is real and whether it is the atom's centre token;
+    and the scores' bias [BLOCK, BLOCK]."""
+    r = tl.arange(0, BLOCK)  # a token slot, or the block's r-th sequence
+    ids = tl.load(order_ptr + p0 + r, mask=r < atoms, other=0)
+    length = tl.minimum(tl.load(counts_ptr + ids, mask=r < atoms, other=-1) + 1, T)  # 0 past the last one
+    start = tl.cumsum(length, 0) - length
+    holds = (start[None, :] <= r[:, None]) & (length > 0)[None, :]  # [slot, sequence]: at or past its start
+    seq = tl.sum(holds.to(tl.int32), 1) - 1
+    tok = r - tl.max(tl.where(holds, start[None, :], 0), 1)
+    atom = tl.sum(tl.where(seq[:, None] == r[None, :], ids[None, :], 0), 1)
+    real = r < tl.sum(length, 0)
+    edge = tl.load(first_ptr + atom, mask=real, other=1) + tok - 1
     return atom, edge, real, tok == 0, _key_bias(bias_ptr, edge, real, tok == 0, seq)
 
 
@@ -263,39 +293,44 @@ def _zero_tail(ptr, total_ptr, E, start, width: tl.constexpr, BLOCK: tl.constexp
                  mask=rows[:, None] & (c < width)[None, :])  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["B", "T", "E"])
-def _packed_forward(qkv_ptr, node_qkv_ptr, bias_ptr, first_ptr, counts_ptr, total_ptr, out_ptr, node_out_ptr, B, T, E,
-                    scale, H: tl.constexpr, D: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, BLOCK: tl.constexpr,
-                    STAGES: tl.constexpr):  # fmt: skip
+@triton.jit(do_not_specialize=["slots", "T", "E"])
+def _packed_forward(qkv_ptr, node_qkv_ptr, bias_ptr, first_ptr, counts_ptr, order_ptr, blocks_ptr, total_ptr, out_ptr,
+                    node_out_ptr, slots, T, E, scale, H: tl.constexpr, D: tl.constexpr, DA: tl.constexpr,
+                    DB: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
     C: tl.constexpr = H * D
-    blocks = tl.cdiv(B, BLOCK // T)
-    if tl.program_id(0) < blocks:
-        atom, edge, real, centre, bias = _packed_block(bias_ptr, first_ptr, counts_ptr, B, T, BLOCK)
-        _forward_heads(_rows(qkv_ptr, node_qkv_ptr, atom, edge, centre, 3 * C),
-                       _rows(out_ptr, node_out_ptr, atom, edge, centre, C), real, bias, scale, H, D, DA, DB, STAGES)  # fmt: skip
+    pid = tl.program_id(0)
+    if pid < slots:
+        a0, atoms = tl.load(blocks_ptr + 2 * pid), tl.load(blocks_ptr + 2 * pid + 1)
+        if atoms > 0:
+            atom, edge, real, centre, bias = _packed_block(bias_ptr, first_ptr, counts_ptr, order_ptr, a0, atoms, T, BLOCK)
+            _forward_heads(_rows(qkv_ptr, node_qkv_ptr, atom, edge, centre, 3 * C),
+                           _rows(out_ptr, node_out_ptr, atom, edge, centre, C), real, bias, scale, H, D, DA, DB, STAGES)  # fmt: skip
     else:  # the edge rows past the real ones
-        _zero_tail(out_ptr, total_ptr, E, (tl.program_id(0) - blocks).to(tl.int64) * BLOCK, C, BLOCK)
+        _zero_tail(out_ptr, total_ptr, E, (pid - slots).to(tl.int64) * BLOCK, C, BLOCK)
 
 
-@triton.jit(do_not_specialize=["B", "T", "E"])
-def _packed_backward(qkv_ptr, node_qkv_ptr, bias_ptr, first_ptr, counts_ptr, total_ptr, grad_out_ptr,
-                     node_grad_out_ptr, grad_qkv_ptr, node_grad_qkv_ptr, grad_bias_ptr, B, T, E, scale,
+@triton.jit(do_not_specialize=["slots", "T", "E"])
+def _packed_backward(qkv_ptr, node_qkv_ptr, bias_ptr, first_ptr, counts_ptr, order_ptr, blocks_ptr, total_ptr, grad_out_ptr,
+                     node_grad_out_ptr, grad_qkv_ptr, node_grad_qkv_ptr, grad_bias_ptr, slots, T, E, scale,
                      H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
                      STAGES: tl.constexpr):  # fmt: skip
     C: tl.constexpr = H * D
-    blocks = tl.cdiv(B, BLOCK // T)
-    if tl.program_id(0) < blocks:
-        atom, edge, real, centre, bias = _packed_block(bias_ptr, first_ptr, counts_ptr, B, T, BLOCK)
-        inputs = _rows(qkv_ptr, node_qkv_ptr, atom, edge, centre, 3 * C)
-        grad_outputs = _rows(grad_out_ptr, node_grad_out_ptr, atom, edge, centre, C)
-        grad_inputs = _rows(grad_qkv_ptr, node_grad_qkv_ptr, atom, edge, centre, 3 * C)
-        # each key's bias is shared by its sequence's queries: the sums of its columns, over the heads
-        grad_bias = tl.zeros((BLOCK,), dtype=tl.float32)
-        for h in tl.range(0, H, num_stages=STAGES):
-            grad_bias = _backward_head(inputs, grad_outputs, grad_inputs, real, bias, scale, h, grad_bias, C, D, DP, True)
-        tl.store(grad_bias_ptr + edge, grad_bias, mask=real & (centre == 0))
+    pid = tl.program_id(0)
+    if pid < slots:
+        a0, atoms = tl.load(blocks_ptr + 2 * pid), tl.load(blocks_ptr + 2 * pid + 1)
+        if atoms > 0:
+            atom, edge, real, centre, bias = _packed_block(bias_ptr, first_ptr, counts_ptr, order_ptr, a0, atoms, T, BLOCK)
+            inputs = _rows(qkv_ptr, node_qkv_ptr, atom, edge, centre, 3 * C)
+            grad_outputs = _rows(grad_out_ptr, node_grad_out_ptr, atom, edge, centre, C)
+            grad_inputs = _rows(grad_qkv_ptr, node_grad_qkv_ptr, atom, edge, centre, 3 * C)
+            # each key's bias is shared by its sequence's queries: the sums of its columns, over the heads
+            grad_bias = tl.zeros((BLOCK,), dtype=tl.float32)
+            for h in tl.range(0, H, num_stages=STAGES):
+                grad_bias = _backward_head(inputs, grad_outputs, grad_inputs, real, bias, scale, h, grad_bias, C, D, DP,
+                                           True)  # fmt: skip
+            tl.store(grad_bias_ptr + edge, grad_bias, mask=real & (centre == 0))
     else:
-        start = (tl.program_id(0) - blocks).to(tl.int64) * BLOCK
+        start = (pid - slots).to(tl.int64) * BLOCK
         _zero_tail(grad_qkv_ptr, total_ptr, E, start, 3 * C, BLOCK)
         _zero_tail(grad_bias_ptr, total_ptr, E, start, 1, BLOCK)
 
@@ -394,12 +429,81 @@ class Sequences(NamedTuple):
     first: torch.Tensor  # [N] int64
     counts: torch.Tensor  # [N] int64
     total: torch.Tensor  # 0-d int64: the edge rows in use
-    tokens: int  # the longest sequence the launch allows (the blocks' tiling): counts <= tokens - 1
+    tokens: int  # the longest sequence the kernels take: counts <= tokens - 1 (longer ones are cut)
+
+
+FIT_CHUNK = 128
+"""Atoms per program of :func:`fit_blocks`'s next-fit (each chunk starts a fresh block)."""
+
+
+class Blocks(NamedTuple):
+    """The packed kernels' blocks (:func:`fit_blocks`): block i holds the sequences of atoms
+    ``order[p .. p + n - 1]`` one after the other, (p, n) = ``table[i]`` (n = 0: no block)."""
+
+    order: torch.Tensor  # [N] int64: the atoms, in the blocks' order
+    table: torch.Tensor  # [slots, 2] int64: each block's first position in order, its atoms
+
+
+def fit_blocks(sequences: Sequences, block: int) -> Blocks:
+    """The blocks of ``block`` token rows that the packed kernels tile ``sequences`` into,
+    made on the device (no host synchronisation: CUDA graphs replay it). A block's cost
+    hardly depends on how many sequences it holds (one ``block x block`` product per head
+    either way), so fewer blocks are the gain.
+
+    The atoms are ordered first (:func:`pairing_order`: a sequence longer than half a block
+    next to a short one it fits with), then each chunk of :data:`FIT_CHUNK` of them is cut
+    into blocks by next-fit (a block takes the next sequence while it fits). Each chunk's
+    blocks hold at least ``block // tokens`` sequences, so the slots (:func:`_slots`) depend
+    only on the atoms' number. PET-S's water sequences
+    (26-39 tokens, 512 molecules) fill 64-row blocks 1.67 at a time (1.35 in the atoms'
+    order, 1 tiled by ``tokens``)."""
+    atoms, chunks = sequences.counts.shape[0], triton.cdiv(sequences.counts.shape[0], FIT_CHUNK)
+    lengths = (sequences.counts + 1).clamp_max(sequences.tokens)
+    order = pairing_order(lengths, block)
+    slots = _slots(atoms, sequences.tokens, block)
+    table = order.new_empty(chunks * slots, 2)
+    if chunks:
+        with on_device(order.device):
+            _fit_blocks[(chunks,)](order, sequences.counts, table, atoms, sequences.tokens, slots, CHUNK=FIT_CHUNK,
+                                   BLOCK=block, num_warps=1)  # fmt: skip
+    return Blocks(order, table)
+
+
+def pairing_order(lengths: torch.Tensor, block: int) -> torch.Tensor:
+    """The atoms [N] ordered so that the most sequences longer than half a ``block`` (of
+    ``lengths`` [N] tokens, each at most ``block``) come right after a shorter one they fit
+    with: the m shortest short ones with the m shortest long ones, shortest with longest (the
+    largest m for which every pair fits: a matching of threshold pairs is largest so), then
+    the other short ones, then the other long ones, each by length. Static shapes only."""
+    n = lengths.shape[0]
+    s, order = torch.sort(lengths, stable=True)
+    k = (s <= block // 2).sum()  # short ones: s[:k]; long ones: s[k:]
+    j = torch.arange(n, device=s.device)
+    # the last long one that fits with short one j, counted from k; pairs (j, m - 1 - j) for j < m fit iff
+    # m <= fits[j] + j + 1 for every j < m
+    fits = torch.searchsorted(s, block - s, right=True) - 1 - k
+    bound = torch.cummin(torch.where(j < k, fits + j + 1, n), 0).values
+    m = ((j + 1 <= bound) & (j + 1 <= k) & (j + 1 <= n - k)).sum()
+    half = j // 2
+    source = torch.where(j < 2 * m, torch.where(j % 2 == 0, half, k + m - 1 - half), torch.where(j < k + m, j - m, j))
+    return order.index_select(0, source)
+
+
+def _slots(atoms: int, tokens: int, block: int) -> int:
+    """Block slots per chunk of :func:`fit_blocks` for ``atoms`` sequences of up to ``tokens``."""
+    return triton.cdiv(min(FIT_CHUNK, atoms), block // tokens)
+
+
+def packed_blocks(sequences: Sequences, heads: int, head_dim: int, launch: dict | None = None) -> Blocks:
+    """:func:`fit_blocks` for the packed kernels' launch (``launch``, default :func:`config`)
+    on heads of ``head_dim``: one tiling for a forward and its backward."""
+    return fit_blocks(sequences, _constants(sequences.tokens, heads, head_dim, launch, False)["BLOCK"])
 
 
 def _packed_launch(qkv: torch.Tensor, node_qkv: torch.Tensor, bias: torch.Tensor, sequences: Sequences, heads: int,
-                   launch: dict | None, backward: bool) -> tuple:  # fmt: skip
-    """``(head_dim, grid, constants)`` of a packed launch (shapes checked first)."""
+                   launch: dict | None, backward: bool, blocks: Blocks | None) -> tuple:  # fmt: skip
+    """``(head_dim, grid, constants, blocks)`` of a packed launch (shapes checked first;
+    ``blocks`` fitted when not given)."""
     edges, width = qkv.shape
     atoms = node_qkv.shape[0]
     if (width % (3 * heads) or node_qkv.shape[1] != width or bias.shape != (edges,)
@@ -409,38 +513,45 @@ def _packed_launch(qkv: torch.Tensor, node_qkv: torch.Tensor, bias: torch.Tensor
                          f"{tuple(sequences.first.shape)}, {tuple(sequences.counts.shape)}")  # fmt: skip
     head_dim = width // (3 * heads)
     c = _constants(sequences.tokens, heads, head_dim, launch, backward)
-    grid = (triton.cdiv(atoms, c["BLOCK"] // sequences.tokens) + triton.cdiv(edges, c["BLOCK"]),)
-    return head_dim, grid, c
+    slots = triton.cdiv(atoms, FIT_CHUNK) * _slots(atoms, sequences.tokens, c["BLOCK"])
+    if blocks is None:
+        blocks = fit_blocks(sequences, c["BLOCK"])
+    elif blocks.table.shape != (slots, 2) or blocks.order.shape != (atoms,):
+        raise ValueError(f"blocks of {c['BLOCK']} rows: order [{atoms}] and table [{slots}, 2] expected, got "
+                         f"{tuple(blocks.order.shape)} and {tuple(blocks.table.shape)}")  # fmt: skip
+    return head_dim, (slots + triton.cdiv(edges, c["BLOCK"]),), c, blocks
 
 
 def forward_packed(qkv: torch.Tensor, node_qkv: torch.Tensor, bias: torch.Tensor, sequences: Sequences, heads: int,
-                   scale: float, launch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                   scale: float, launch: dict | None = None,
+                   blocks: Blocks | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """:func:`forward` on sequences of different lengths, stored without padding: the
     queries, keys and values of the edge tokens ``qkv`` [E, 3*H*D] and of the atoms' centre
     tokens ``node_qkv`` [N, 3*H*D], a bias [E] per edge token as key (0 for the centre
     tokens; -inf drops a key), all float32 and contiguous, and the sequences' rows
     ``sequences``. Returns the outputs of the edge tokens [E, H*D] (zero in the rows from
-    ``sequences.total`` on) and of the centre tokens [N, H*D]. The blocks are those of
-    :func:`forward` for sequences of ``sequences.tokens`` tokens (the mask of atom a's
-    scores: ``bias`` of its real tokens, -inf past them)."""
-    head_dim, grid, constants = _packed_launch(qkv, node_qkv, bias, sequences, heads, launch, backward=False)
+    ``sequences.total`` on) and of the centre tokens [N, H*D]. The kernels' blocks are
+    ``blocks`` (:func:`packed_blocks`, fitted here when not given), whole sequences one after
+    the other (the mask of atom a's scores: ``bias`` of its real tokens, -inf elsewhere)."""
+    head_dim, grid, constants, blocks = _packed_launch(qkv, node_qkv, bias, sequences, heads, launch, False, blocks)
     out, node_out = qkv.new_empty(qkv.shape[0], heads * head_dim), qkv.new_empty(node_qkv.shape[0], heads * head_dim)
     with on_device(qkv.device):
-        _packed_forward[grid](qkv, node_qkv, bias, sequences.first, sequences.counts, sequences.total, out, node_out,
-                              node_qkv.shape[0], sequences.tokens, qkv.shape[0], scale, **constants)  # fmt: skip
+        _packed_forward[grid](qkv, node_qkv, bias, sequences.first, sequences.counts, *blocks, sequences.total,
+                              out, node_out, blocks.table.shape[0], sequences.tokens, qkv.shape[0], scale, **constants)  # fmt: skip
     return out, node_out
 
 
 def backward_packed(grad_out: torch.Tensor, node_grad_out: torch.Tensor, qkv: torch.Tensor, node_qkv: torch.Tensor,
                     bias: torch.Tensor, sequences: Sequences, heads: int, scale: float,
-                    launch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+                    launch: dict | None = None,
+                    blocks: Blocks | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Gradients of :func:`forward_packed` with respect to ``qkv``, ``node_qkv`` and ``bias``
     (zero in the edge rows from ``sequences.total`` on), for the output gradients
     ``grad_out`` [E, H*D] and ``node_grad_out`` [N, H*D]."""
-    _, grid, constants = _packed_launch(qkv, node_qkv, bias, sequences, heads, launch, backward=True)
+    _, grid, constants, blocks = _packed_launch(qkv, node_qkv, bias, sequences, heads, launch, True, blocks)
     grad_qkv, node_grad_qkv, grad_bias = torch.empty_like(qkv), torch.empty_like(node_qkv), torch.empty_like(bias)
     with on_device(qkv.device):
-        _packed_backward[grid](qkv, node_qkv, bias, sequences.first, sequences.counts, sequences.total,
+        _packed_backward[grid](qkv, node_qkv, bias, sequences.first, sequences.counts, *blocks, sequences.total,
                                grad_out.contiguous(), node_grad_out.contiguous(), grad_qkv, node_grad_qkv, grad_bias,
-                               node_qkv.shape[0], sequences.tokens, qkv.shape[0], scale, **constants)  # fmt: skip
+                               blocks.table.shape[0], sequences.tokens, qkv.shape[0], scale, **constants)  # fmt: skip
     return grad_qkv, node_grad_qkv, grad_bias
