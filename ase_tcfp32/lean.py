@@ -543,7 +543,7 @@ class LeanPET:
         numbers, system = torch.from_numpy(batch.numbers).to(self.device, torch.long), self.system
         if self.width == 0:  # first call: size the table (or the packed rows) from the neighbour counts
             if self.packed:
-                counts = self._kept_pairs(self.pair_vectors(positions).detach(), len(numbers))[4]
+                counts = self.neighbour_counts(structures)
                 most = int(counts.max())
                 self._set_rows(int(counts.sum()))
             else:
@@ -572,6 +572,15 @@ class LeanPET:
                 result["stress"] = virials[k] / atoms.get_volume()
             results.append(result)
         return results
+
+    def neighbour_counts(self, structures: list[Atoms]) -> torch.Tensor:
+        """The neighbours [N] that PET keeps for each atom of ``structures`` (within its
+        adaptive cutoffs): the lengths of its attention sequences, less the centre token."""
+        batch = Structures.of(structures)
+        if self._needs_pairs(batch):
+            self._update_pairs(batch)
+        positions = torch.from_numpy(batch.positions).to(self.device, self.dtype)
+        return self._kept_pairs(self.pair_vectors(positions).detach(), positions.shape[0])[4]
 
     def _evaluate(self, positions, cells, numbers, system, stress: bool) -> dict:
         """One step: eager, or through the recorded graph (recorded first if needed)."""

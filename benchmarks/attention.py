@@ -12,9 +12,10 @@ one (atom, head) output, and normwise relative errors of the gradients.
 
 ``--configs`` adds launch configurations of our kernel to try (``BLOCK:warps:stages``,
 comma-separated; ``default`` is the one the package picks) and ``packed``: our kernels on
-the same sequences stored as the lean engine stores them (``tc_attention_packed``: each
-atom's real tokens only, the centre token in its own tensor, a bias per key), errors
-against FP64 of the packed form (its padding keys dropped, where SDPA's weigh 1e-15).
+the sequences the lean engine gives them (``tc_attention_packed``: each atom's real tokens
+only, as many as PET-MAD's cutoffs keep in water at 1 g/cm³, the centre token in its own
+tensor, a bias per key), errors against FP64 of the packed form (no padding keys, where
+SDPA's weigh 1e-15). SDPA runs on metatrain's table, padded to the most neighbours.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from triton.testing import do_bench
 
 from ase_tcfp32.attention import packed_attention_in_torch, tc_attention, tc_attention_packed
 from ase_tcfp32.kernels import attention as kernels
+from ase_tcfp32.lean import MARGIN, LeanPET
+from ase_tcfp32.models import random_pet
+from ase_tcfp32.validation import water_box
 from ase_tcfp32.validation.common import environment
 
 HEADS = 8
@@ -111,39 +115,65 @@ def measure(size: str, atoms: int, name: str, function, config: dict | None) -> 
     return [dict(row, **{"pass": "fwd", "ms": forward_ms}), dict(row, **{"pass": "fwd+bwd", "ms": both_ms})]
 
 
+def water_counts(size: str, atoms: int) -> torch.Tensor:
+    """The neighbours [atoms] that PET-MAD-S / -M keep for each atom of water at 1 g/cm³
+    (:meth:`LeanPET.neighbour_counts` with random weights of the shape: the counts depend
+    on its cutoff hypers only)."""
+    lean = LeanPET(random_pet(size), torch.device("cuda"), packed=True)
+    return lean.neighbour_counts([water_box(atoms // 3)])
+
+
 def measure_packed(size: str, atoms: int) -> list[dict]:
-    """``tc_attention_packed`` on the sequences of :func:`inputs` without their padding slots."""
-    qkv, mask, scale = inputs(size, atoms)
-    real = qkv.shape[1] - 4  # neighbours per atom: the last 3 slots are padding
-    node_qkv, edge_qkv = qkv[:, 0].contiguous(), qkv[:, 1 : 1 + real].reshape(-1, qkv.shape[2])
-    bias = mask[:, 0, 1 : 1 + real].reshape(-1).contiguous()
-    counts = torch.full((atoms,), real, device="cuda")
-    sequences = kernels.Sequences(torch.arange(atoms, device="cuda") * real, counts, counts.sum(), qkv.shape[1])
-    grads = torch.randn(len(edge_qkv), qkv.shape[2] // 3, device="cuda"), torch.randn(atoms, qkv.shape[2] // 3, device="cuda")
-    forward_ms = do_bench(lambda: tc_attention_packed(edge_qkv, node_qkv, bias, sequences, HEADS, scale), warmup=25, rep=200)
+    """``tc_attention_packed`` on the sequences of water (:func:`water_counts`: each atom's
+    real tokens only, the centre token in its own tensor, a bias per key), random inputs as
+    :func:`inputs`; ``fit`` is :func:`ase_tcfp32.kernels.attention.packed_blocks`, which the
+    forward times include."""
+    counts, width = water_counts(size, atoms), D_PET[size]
+    tokens = int(counts.max()) + 1 + MARGIN  # as the lean engine tiles them
+    g = torch.Generator(device="cuda").manual_seed(atoms + width)
+    first, total = torch.cumsum(counts, 0) - counts, int(counts.sum())
+    edge_qkv = torch.randn(total, 3 * width, device="cuda", generator=g)
+    node_qkv = torch.randn(atoms, 3 * width, device="cuda", generator=g)
+    bias = torch.log(torch.clamp(torch.rand(total, device="cuda", generator=g) ** 2, 1e-15))
+    sequences = kernels.Sequences(first, counts, counts.sum(), tokens)
+    blocks = kernels.packed_blocks(sequences, HEADS, width // HEADS)
+    fit_ms = do_bench(lambda: kernels.packed_blocks(sequences, HEADS, width // HEADS), warmup=25, rep=200)
+    grads = torch.randn(total, width, device="cuda"), torch.randn(atoms, width, device="cuda")
+    forward_ms = do_bench(lambda: tc_attention_packed(edge_qkv, node_qkv, bias, sequences, HEADS, 1 / (width // HEADS) ** 0.5),
+                          warmup=25, rep=200)  # fmt: skip
     leaves = [t.clone().requires_grad_() for t in (edge_qkv, node_qkv, bias)]
 
     def both():
         for t in leaves:
             t.grad = None
-        torch.autograd.backward(tc_attention_packed(*leaves, sequences, HEADS, scale), grads)
+        torch.autograd.backward(tc_attention_packed(*leaves, sequences, HEADS, 1 / (width // HEADS) ** 0.5), grads)
 
     both_ms = do_bench(both, warmup=25, rep=200)
     n = min(atoms, CHECKED)
-    checked = kernels.Sequences(sequences.first[:n], counts[:n], torch.tensor(n * real, device="cuda"), qkv.shape[1])
+    rows = int(first[n - 1] + counts[n - 1])
+    checked = kernels.Sequences(first[:n], counts[:n], torch.tensor(rows, device="cuda"), tokens)
+    slot = torch.arange(tokens - 1, device="cuda")
+    real = slot < counts[:n, None]  # [n, T - 1]
+    at = torch.where(real, first[:n, None] + slot, 0)
+
+    def by_sequence(edge: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
+        """[n, T, C]: each atom's tokens, centre first, zeros past its last."""
+        return torch.cat([node[:, None], torch.where(real[..., None], edge[at], 0)], 1)
+
     found = {}
     for name, function, dtype in (("ours", tc_attention_packed, torch.float32), ("exact", packed_attention_in_torch, torch.float64)):
-        part = [t[: n * real if len(t) > atoms else n].detach().to(dtype).clone().requires_grad_()
-                for t in (edge_qkv, node_qkv, bias)]  # fmt: skip
-        out = function(*part, checked, HEADS, scale)
+        part = [t[:rows if len(t) == total else n].detach().to(dtype).clone().requires_grad_() for t in (edge_qkv, node_qkv, bias)]
+        out = function(*part, checked, HEADS, 1 / (width // HEADS) ** 0.5)
         torch.autograd.backward(out, [g[: len(o)].to(dtype) for g, o in zip(grads, out)])
-        # outputs by sequence [n, T - 3, C], centre token first, as the padded rows' errors are taken
-        found[name] = torch.cat([out[1][:, None], out[0].reshape(n, real, -1)], 1), torch.cat([part[1].grad, part[0].grad]), part[2].grad
+        found[name] = by_sequence(*out), torch.cat([part[1].grad, part[0].grad]), part[2].grad
     per_head = lambda t: t.reshape(*t.shape[:2], HEADS, -1).transpose(1, 2).flatten(2)  # noqa: E731
     (out, grad_qkv, grad_bias), (exact, exact_qkv, exact_bias) = found["ours"], found["exact"]
     head_errors = (per_head(out.double()) - per_head(exact)).norm(dim=-1) / per_head(exact).norm(dim=-1)
     rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
-    row = {"model": size, "atoms": atoms, "tokens": qkv.shape[1], "kernel": "tc_attention_packed", "config": "packed",
+    used = int((blocks.table[:, 1] > 0).sum())
+    row = {"model": size, "atoms": atoms, "tokens": tokens, "kernel": "tc_attention_packed", "config": "packed",
+           "neighbours": {"min": int(counts.min()), "mean": counts.double().mean().item(), "max": int(counts.max())},
+           "blocks": used, "atoms_per_block": atoms / used, "fit_ms": fit_ms,
            "error": head_errors.max().item(), "error_grad_qkv": rel(grad_qkv, exact_qkv), "error_grad_mask": rel(grad_bias, exact_bias)}  # fmt: skip
     return [dict(row, **{"pass": "fwd", "ms": forward_ms}), dict(row, **{"pass": "fwd+bwd", "ms": both_ms})]
 

@@ -151,6 +151,26 @@ PACKED_SCRIPT = textwrap.dedent(
     g = torch.Generator().manual_seed(0)
     u = 2.0**-24
     rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()
+
+    # the blocks: next-fit over the pairing order, chunk by chunk, against Python's
+    from ase_tcfp32.kernels.attention import FIT_CHUNK, fit_blocks, pairing_order
+    for atoms, most, tokens, block in [(300, 38, 41, 64), (130, 20, 21, 64), (3, 99, 100, 128), (129, 0, 1, 64)]:
+        counts = torch.randint(0, most + 1, (atoms,), generator=g)
+        blocks = fit_blocks(Sequences(torch.cumsum(counts, 0) - counts, counts, counts.sum(), tokens), block)
+        lengths = (counts + 1).clamp_max(tokens)
+        assert torch.equal(blocks.order, pairing_order(lengths, block))
+        ordered, expected = lengths[blocks.order].tolist(), []
+        slots = -(-min(FIT_CHUNK, atoms) // (block // tokens))
+        for first in range(0, atoms, FIT_CHUNK):
+            chunk = [[first, 0]]
+            for p in range(first, min(first + FIT_CHUNK, atoms)):
+                if sum(ordered[chunk[-1][0] : p]) + ordered[p] > block:
+                    chunk.append([p, 0])
+                chunk[-1][1] += 1
+            expected += chunk + [[None, 0]] * (slots - len(chunk))
+        found = blocks.table.tolist()
+        assert len(found) == len(expected) and all(f[1] == e[1] and (e[1] == 0 or f[0] == e[0]) for f, e in zip(found, expected))
+
     # 3, 2 and 1 sequences per block, heads of 16 to 48, an atom without neighbours, 5 spare rows
     for atoms, heads, dim, most in [(7, 8, 32, 20), (5, 2, 48, 12), (3, 2, 16, 99), (6, 1, 32, 63)]:
         counts = torch.randint(0, most + 1, (atoms,), generator=g)

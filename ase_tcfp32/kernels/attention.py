@@ -160,12 +160,12 @@ def _packed_block(bias_ptr, first_ptr, counts_ptr, order_ptr, p0, atoms, T, BLOC
     and the scores' bias [BLOCK, BLOCK]."""
     r = tl.arange(0, BLOCK)  # a token slot, or the block's r-th sequence
     ids = tl.load(order_ptr + p0 + r, mask=r < atoms, other=0)
-    length = tl.minimum(tl.load(counts_ptr + ids, mask=r < atoms, other=-1) + 1, T)  # 0 past the last one
+    length = tl.minimum(tl.load(counts_ptr + ids, mask=r < atoms, other=-1) + 1, T).to(tl.int32)  # 0 past the last
     start = tl.cumsum(length, 0) - length
     holds = (start[None, :] <= r[:, None]) & (length > 0)[None, :]  # [slot, sequence]: at or past its start
     seq = tl.sum(holds.to(tl.int32), 1) - 1
     tok = r - tl.max(tl.where(holds, start[None, :], 0), 1)
-    atom = tl.sum(tl.where(seq[:, None] == r[None, :], ids[None, :], 0), 1)
+    atom = tl.load(order_ptr + p0 + seq)
     real = r < tl.sum(length, 0)
     edge = tl.load(first_ptr + atom, mask=real, other=1) + tok - 1
     return atom, edge, real, tok == 0, _key_bias(bias_ptr, edge, real, tok == 0, seq)
