@@ -81,36 +81,3 @@ def test_calculators_pack_rows_only_with_the_attention_on_tensor_cores(tiny_ckpt
     calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine="lean")
     assert not calc._lean.packed and "neighbour table" in calc._repr_html_()
 
-
-def _most_pairs(lengths: list[int], block: int) -> int:
-    """The most disjoint (short, long) pairs that fit in a block together, by brute force:
-    a long sequence (more than half a block of tokens) with a short one."""
-    short = [x for x in lengths if x <= block // 2]
-    long = [x for x in lengths if x > block // 2]
-    if not long or not short:
-        return 0
-    first, rest = long[0], long[1:]
-    best = _most_pairs(short + rest, block)  # the first long one alone
-    for i, x in enumerate(short):
-        if x + first <= block:
-            best = max(best, 1 + _most_pairs(short[:i] + short[i + 1 :] + rest, block))
-    return best
-
-
-def test_pairing_order_puts_the_most_long_sequences_after_a_short_one():
-    """The attention's block order (ase_tcfp32.kernels.attention.pairing_order) against a
-    brute-force matching: as many leading (short, long) pairs that fit as any matching has,
-    and every atom once."""
-    from ase_tcfp32.kernels.attention import pairing_order
-
-    rng = np.random.default_rng(0)
-    for trial in range(400):
-        block = (64, 128)[trial % 2]
-        lengths = rng.integers(1, block + 1, rng.integers(1, 9)) if trial % 3 else rng.integers(block // 3, block // 3 * 2, 8)
-        order = pairing_order(torch.tensor(lengths), block).tolist()
-        assert sorted(order) == list(range(len(lengths)))
-        ordered, pairs = lengths[order], 0
-        while (2 * pairs + 1 < len(ordered) and ordered[2 * pairs] <= block // 2 < ordered[2 * pairs + 1]
-               and ordered[2 * pairs] + ordered[2 * pairs + 1] <= block):  # fmt: skip
-            pairs += 1
-        assert pairs == _most_pairs(list(lengths), block), (lengths, ordered)

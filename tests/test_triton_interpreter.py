@@ -152,13 +152,38 @@ PACKED_SCRIPT = textwrap.dedent(
     u = 2.0**-24
     rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()
 
-    # the blocks: next-fit over the pairing order, chunk by chunk, against Python's
-    from ase_tcfp32.kernels.attention import FIT_CHUNK, fit_blocks, pairing_order
+    # the blocks' order: as many (short, long) pairs that fit first as a brute-force matching finds
+    from ase_tcfp32.kernels.attention import FIT_CHUNK, fit_blocks
+
+    def most_pairs(lengths, block):
+        short, long = [x for x in lengths if x <= block // 2], [x for x in lengths if x > block // 2]
+        if not long or not short:
+            return 0
+        best = most_pairs(short + long[1:], block)  # the first long one alone, or with a short one it fits with
+        for i, x in enumerate(short):
+            if x + long[0] <= block:
+                best = max(best, 1 + most_pairs(short[:i] + short[i + 1 :] + long[1:], block))
+        return best
+
+    rng = np.random.default_rng(0)
+    for trial in range(60):
+        block = (64, 128)[trial % 2]
+        counts = torch.tensor(rng.integers(0, block, rng.integers(1, 9)) if trial % 3 else rng.integers(block // 3, block // 3 * 2, 8))
+        blocks = fit_blocks(Sequences(torch.cumsum(counts, 0) - counts, counts, counts.sum(), int(counts.max()) + 1), block)
+        assert sorted(blocks.order.tolist()) == list(range(len(counts)))
+        ordered, pairs = (counts + 1)[blocks.order].tolist(), 0
+        while (2 * pairs + 1 < len(ordered) and ordered[2 * pairs] <= block // 2 < ordered[2 * pairs + 1]
+               and ordered[2 * pairs] + ordered[2 * pairs + 1] <= block):
+            pairs += 1
+        assert pairs == most_pairs((counts + 1).tolist(), block), (counts, ordered)
+
+    # the blocks: next-fit over that order, chunk by chunk, against Python's
     for atoms, most, tokens, block in [(300, 38, 41, 64), (130, 20, 21, 64), (3, 99, 100, 128), (129, 0, 1, 64)]:
         counts = torch.randint(0, most + 1, (atoms,), generator=g)
         blocks = fit_blocks(Sequences(torch.cumsum(counts, 0) - counts, counts, counts.sum(), tokens), block)
         lengths = (counts + 1).clamp_max(tokens)
-        assert torch.equal(blocks.order, pairing_order(lengths, block))
+        chunks = blocks.order.split(FIT_CHUNK)
+        assert all(torch.equal(c.sort().values, torch.arange(len(c)) + k * FIT_CHUNK) for k, c in enumerate(chunks))
         ordered, expected = lengths[blocks.order].tolist(), []
         slots = -(-min(FIT_CHUNK, atoms) // (block // tokens))
         for first in range(0, atoms, FIT_CHUNK):

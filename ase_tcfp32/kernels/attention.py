@@ -125,31 +125,58 @@ def _program_block(mask_ptr, B, T, BLOCK: tl.constexpr):
     return row, real, bias, offsets, same
 
 
+@triton.jit
+def _minimum(a, b):
+    return tl.minimum(a, b)
+
+
 @triton.jit(do_not_specialize=["B", "T", "slots"])
-def _fit_blocks(order_ptr, counts_ptr, blocks_ptr, B, T, slots, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Next-fit of the sequences of atoms ``order[c * CHUNK .. (c + 1) * CHUNK - 1]`` (c:
-    this program; atom a's sequence: ``counts[a] + 1`` tokens, at most T) into blocks of
-    BLOCK token rows, in that order: each block's (first position in ``order``, atoms) into
-    this chunk's ``slots`` rows of ``blocks`` [chunks * slots, 2], 0 atoms in the rows left."""
+def _fit_blocks(counts_ptr, order_ptr, blocks_ptr, B, T, slots, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """The blocks of the sequences of atoms ``c * CHUNK .. (c + 1) * CHUNK - 1`` (c: this
+    program; atom a's sequence: ``counts[a] + 1`` tokens, at most T <= BLOCK), see
+    :func:`fit_blocks`: their order into ``order`` (atoms), each block's (first position
+    in ``order``, atoms) into this chunk's ``slots`` rows of ``blocks`` [chunks * slots, 2],
+    0 atoms in the rows left over."""
     first = tl.program_id(0).to(tl.int64) * CHUNK
+    i = tl.arange(0, CHUNK)
+    inside = first + i < B
+    # the chunk by length (past the last atom: longer than a block), then the pairing
+    length = tl.minimum(tl.load(counts_ptr + first + i, mask=inside, other=BLOCK) + 1, tl.where(inside, T, BLOCK + 1))
+    key = tl.sort(length.to(tl.int32) * CHUNK + i)
+    s, atom = key // CHUNK, key % CHUNK
+    short = tl.sum((s <= BLOCK // 2).to(tl.int32), 0)  # the short ones: s[:short]; the long ones after them
+    long = tl.sum(inside.to(tl.int32), 0) - short
+    # pairs (j, short + m - 1 - j) for j < m fit iff m <= fits[j] + j + 1 for every j < m, fits[j] being the
+    # last long one that fits with short one j, counted from the first long one
+    fits = tl.sum((s[None, :] <= BLOCK - s[:, None]).to(tl.int32), 1) - 1 - short
+    bound = tl.associative_scan(tl.where(i < short, fits + i + 1, CHUNK), 0, _minimum)
+    m = tl.sum(((i + 1 <= bound) & (i + 1 <= short) & (i + 1 <= long)).to(tl.int32), 0)
+    half = i // 2
+    source = tl.where(i < 2 * m, tl.where(i % 2 == 0, half, short + m - 1 - half), tl.where(i < short + m, i - m, i))
+    tl.store(order_ptr + first + i, first + atom, mask=inside)
+    tl.debug_barrier()
+    arranged = tl.load(order_ptr + first + source, mask=inside)
+    tl.debug_barrier()
+    tl.store(order_ptr + first + i, arranged, mask=inside)
+    tl.debug_barrier()
+    # next-fit: serial, ~1 us per 10 atoms on the H200
     table = blocks_ptr + 2 * slots * tl.program_id(0).to(tl.int64)
     start, used, atoms, filled = first, first * 0, first * 0, first * 0
-    for i in range(CHUNK):  # serial, but each chunk's own: ~1 us per 10 atoms on the H200
-        atom = first + i
-        a = tl.load(order_ptr + atom, mask=atom < B, other=0)
-        length = tl.minimum(tl.load(counts_ptr + a, mask=atom < B, other=-1) + 1, T)  # 0 past the last atom
-        full = used + length > BLOCK  # the block is closed: atom starts the next one
+    for j in range(CHUNK):
+        position = first + j
+        a = tl.load(order_ptr + position, mask=position < B, other=0)
+        length = tl.minimum(tl.load(counts_ptr + a, mask=position < B, other=-1) + 1, T)  # 0 past the last atom
+        full = used + length > BLOCK  # the block is closed: this atom starts the next one
         tl.store(table + 2 * filled, start, mask=full)
         tl.store(table + 2 * filled + 1, atoms, mask=full)
         filled += full.to(tl.int64)
-        start = tl.where(full, atom, start)
+        start = tl.where(full, position, start)
         used = tl.where(full, length, used + length)
         atoms = tl.where(full, 1, atoms + (length > 0).to(tl.int64))
     tl.store(table + 2 * filled, start, mask=atoms > 0)
     tl.store(table + 2 * filled + 1, atoms, mask=atoms > 0)
     filled += (atoms > 0).to(tl.int64)
-    s = tl.arange(0, CHUNK)
-    tl.store(table + 2 * s + 1, s.to(tl.int64) * 0, mask=(s >= filled) & (s < slots))
+    tl.store(table + 2 * i + 1, i.to(tl.int64) * 0, mask=(i >= filled) & (i < slots))
 
 
 @triton.jit
@@ -446,47 +473,27 @@ class Blocks(NamedTuple):
 
 def fit_blocks(sequences: Sequences, block: int) -> Blocks:
     """The blocks of ``block`` token rows that the packed kernels tile ``sequences`` into,
-    made on the device (no host synchronisation: CUDA graphs replay it). A block's cost
-    hardly depends on how many sequences it holds (one ``block x block`` product per head
-    either way), so fewer blocks are the gain.
+    made on the device in one launch (no host synchronisation: CUDA graphs replay it). A
+    block's cost hardly depends on how many sequences it holds (one ``block x block``
+    product per head either way), so fewer blocks are the gain.
 
-    The atoms are ordered first (:func:`pairing_order`: a sequence longer than half a block
-    next to a short one it fits with), then each chunk of :data:`FIT_CHUNK` of them is cut
-    into blocks by next-fit (a block takes the next sequence while it fits). Each chunk's
-    blocks hold at least ``block // tokens`` sequences, so the slots (:func:`_slots`) depend
-    only on the atoms' number. PET-S's water sequences
-    (26-39 tokens, 512 molecules) fill 64-row blocks 1.67 at a time (1.35 in the atoms'
-    order, 1 tiled by ``tokens``)."""
+    Per chunk of :data:`FIT_CHUNK` consecutive atoms (their rows stay near each other), the
+    atoms are ordered so that the most sequences longer than half a block come right after
+    a short one they fit with (the m shortest short ones with the m shortest long ones,
+    shortest with longest, for the largest m for which every pair fits: no matching of
+    such pairs is larger), then the other short ones, then the other long ones, each by
+    length; next-fit cuts that order into blocks (a block takes the next sequence while it
+    fits). Each chunk's blocks hold at least ``block // tokens`` sequences, so the slots
+    (:func:`_slots`) depend only on the atoms' number. PET-S's water sequences (25-41
+    tokens) fill 64-row blocks ~1.6 at a time (1.35 in the atoms' order)."""
     atoms, chunks = sequences.counts.shape[0], triton.cdiv(sequences.counts.shape[0], FIT_CHUNK)
-    lengths = (sequences.counts + 1).clamp_max(sequences.tokens)
-    order = pairing_order(lengths, block)
     slots = _slots(atoms, sequences.tokens, block)
-    table = order.new_empty(chunks * slots, 2)
+    order, table = sequences.counts.new_empty(atoms), sequences.counts.new_empty(chunks * slots, 2)
     if chunks:
         with on_device(order.device):
-            _fit_blocks[(chunks,)](order, sequences.counts, table, atoms, sequences.tokens, slots, CHUNK=FIT_CHUNK,
-                                   BLOCK=block, num_warps=1)  # fmt: skip
+            _fit_blocks[(chunks,)](sequences.counts, order, table, atoms, sequences.tokens, slots, CHUNK=FIT_CHUNK,
+                                   BLOCK=block, num_warps=4)  # fmt: skip
     return Blocks(order, table)
-
-
-def pairing_order(lengths: torch.Tensor, block: int) -> torch.Tensor:
-    """The atoms [N] ordered so that the most sequences longer than half a ``block`` (of
-    ``lengths`` [N] tokens, each at most ``block``) come right after a shorter one they fit
-    with: the m shortest short ones with the m shortest long ones, shortest with longest (the
-    largest m for which every pair fits: a matching of threshold pairs is largest so), then
-    the other short ones, then the other long ones, each by length. Static shapes only."""
-    n = lengths.shape[0]
-    s, order = torch.sort(lengths, stable=True)
-    k = (s <= block // 2).sum()  # short ones: s[:k]; long ones: s[k:]
-    j = torch.arange(n, device=s.device)
-    # the last long one that fits with short one j, counted from k; pairs (j, m - 1 - j) for j < m fit iff
-    # m <= fits[j] + j + 1 for every j < m
-    fits = torch.searchsorted(s, block - s, right=True) - 1 - k
-    bound = torch.cummin(torch.where(j < k, fits + j + 1, n), 0).values
-    m = ((j + 1 <= bound) & (j + 1 <= k) & (j + 1 <= n - k)).sum()
-    half = j // 2
-    source = torch.where(j < 2 * m, torch.where(j % 2 == 0, half, k + m - 1 - half), torch.where(j < k + m, j - m, j))
-    return order.index_select(0, source)
 
 
 def _slots(atoms: int, tokens: int, block: int) -> int:
