@@ -165,14 +165,14 @@ def _fit_blocks(counts_ptr, order_ptr, blocks_ptr, B, T, slots, CHUNK: tl.conste
     for j in range(CHUNK):
         position = first + j
         a = tl.load(order_ptr + position, mask=position < B, other=0)
-        length = tl.minimum(tl.load(counts_ptr + a, mask=position < B, other=-1) + 1, T)  # 0 past the last atom
-        full = used + length > BLOCK  # the block is closed: this atom starts the next one
+        size = tl.minimum(tl.load(counts_ptr + a, mask=position < B, other=-1) + 1, T)  # 0 past the last atom
+        full = used + size > BLOCK  # the block is closed: this atom starts the next one
         tl.store(table + 2 * filled, start, mask=full)
         tl.store(table + 2 * filled + 1, atoms, mask=full)
         filled += full.to(tl.int64)
         start = tl.where(full, position, start)
-        used = tl.where(full, length, used + length)
-        atoms = tl.where(full, 1, atoms + (length > 0).to(tl.int64))
+        used = tl.where(full, size, used + size)
+        atoms = tl.where(full, 1, atoms + (size > 0).to(tl.int64))
     tl.store(table + 2 * filled, start, mask=atoms > 0)
     tl.store(table + 2 * filled + 1, atoms, mask=atoms > 0)
     filled += (atoms > 0).to(tl.int64)
@@ -185,15 +185,17 @@ def _packed_block(bias_ptr, first_ptr, counts_ptr, order_ptr, p0, atoms, T, BLOC
     the other (:func:`fit_blocks`): for each of its BLOCK token slots, the atom, the edge row
     of a neighbour token, whether the slot is real and whether it is the atom's centre token;
     and the scores' bias [BLOCK, BLOCK]."""
-    r = tl.arange(0, BLOCK)  # a token slot, or the block's r-th sequence
-    ids = tl.load(order_ptr + p0 + r, mask=r < atoms, other=0)
-    length = tl.minimum(tl.load(counts_ptr + ids, mask=r < atoms, other=-1) + 1, T).to(tl.int32)  # 0 past the last
-    start = tl.cumsum(length, 0) - length
-    holds = (start[None, :] <= r[:, None]) & (length > 0)[None, :]  # [slot, sequence]: at or past its start
-    seq = tl.sum(holds.to(tl.int32), 1) - 1
-    tok = r - tl.max(tl.where(holds, start[None, :], 0), 1)
-    atom = tl.load(order_ptr + p0 + seq)
-    real = r < tl.sum(length, 0)
+    r = tl.arange(0, BLOCK)
+    # each slot's sequence, atom and first slot, sequence by sequence (elementwise: the slots keep the layout
+    # the head loop reads them in; reductions over [BLOCK, BLOCK] here cost PET-M's backward 60%)
+    seq, atom, begin, start = tl.zeros((BLOCK,), tl.int64), tl.zeros((BLOCK,), tl.int64), r * 0, p0.to(tl.int32) * 0
+    for j in range(0, atoms):
+        a = tl.load(order_ptr + p0 + j)
+        here = r >= start
+        seq, atom, begin = tl.where(here, j, seq), tl.where(here, a, atom), tl.where(here, start, begin)
+        start += tl.minimum(tl.load(counts_ptr + a) + 1, T).to(tl.int32)
+    tok = r - begin
+    real = r < start
     edge = tl.load(first_ptr + atom, mask=real, other=1) + tok - 1
     return atom, edge, real, tok == 0, _key_bias(bias_ptr, edge, real, tok == 0, seq)
 
