@@ -843,6 +843,41 @@ def test_packed_attention_is_as_accurate_as_torch_fp32(head_dim):
     assert not out[total:].any() and not results["ours"][2][total:].any() and not results["ours"][4][total:].any()
 
 
+def test_attention_blocks_on_the_gpu_pair_and_fill_as_python_does():
+    """fit_blocks compiled for the GPU: each chunk's order is a permutation of its atoms that
+    starts with as many (short, long) pairs that fit as the greedy matching finds (largest
+    long one first, with the shortest short one left), and the blocks are Python's next-fit
+    over that order; PET-like water lengths and mixed ones, 64- and 128-row blocks."""
+    from ase_tcfp32.kernels.attention import FIT_CHUNK, Sequences, fit_blocks
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for atoms, low, high, tokens, block in [(17280, 24, 39, 42, 64), (1000, 0, 39, 42, 64), (777, 30, 90, 100, 128)]:
+        counts = torch.randint(low, high + 1, (atoms,), device="cuda", generator=g)
+        blocks = fit_blocks(Sequences(torch.cumsum(counts, 0) - counts, counts, counts.sum(), tokens), block)
+        lengths, order = (counts + 1).clamp_max(tokens).tolist(), blocks.order.tolist()
+        table, slots, expected = blocks.table.tolist(), len(blocks.table) // -(-atoms // FIT_CHUNK), []
+        for first in range(0, atoms, FIT_CHUNK):
+            chunk = order[first : first + FIT_CHUNK]
+            assert sorted(chunk) == list(range(first, first + len(chunk)))
+            ordered = [lengths[a] for a in chunk]
+            short = sorted(x for x in ordered if x <= block // 2)
+            most = 0
+            for x in sorted((x for x in ordered if x > block // 2), reverse=True):
+                most += most < len(short) and short[most] + x <= block
+            pairs = 0
+            while (2 * pairs + 1 < len(ordered) and ordered[2 * pairs] <= block // 2 < ordered[2 * pairs + 1]
+                   and ordered[2 * pairs] + ordered[2 * pairs + 1] <= block):  # fmt: skip
+                pairs += 1
+            assert pairs == most
+            fitted = [[first, 0]]
+            for p, x in enumerate(ordered, first):
+                if sum(lengths[a] for a in order[fitted[-1][0] : p]) + x > block:
+                    fitted.append([p, 0])
+                fitted[-1][1] += 1
+            expected += fitted + [[None, 0]] * (slots - len(fitted))
+        assert all(f[1] == e[1] and (e[1] == 0 or f[0] == e[0]) for f, e in zip(table, expected, strict=True))
+
+
 def test_tensor_core_attention_in_pet_matches_sdpa_in_every_engine(tiny_ckpt, water192):
     """tf32x3 with our attention, SwiGLU, message combination and folded compression (the
     default for FP32-accurate precisions) against the same precision with torch's SDPA and metatrain's
