@@ -23,7 +23,7 @@ they have FP32's range (no per-row scaling of logits or of probabilities down to
 and the kernels are bound by registers and latency, not by the tensor cores' rate
 (``docs/kernel_notes.md``, session 12). The softmax and every sum are FP32 on CUDA cores.
 On the H200: 2.2x torch's FP32 SDPA forward + backward at PET-S's shapes
-(``benchmarks/attention.py``).
+(``benchmarks/attention.py``; the packed kernels below: 3.9x).
 
 Layouts, as PET's projections read and write them (no transposed copies):
 ``qkv`` [B*T, 3*H*D] (query, key, value of head h at columns ``h*D``, ``C + h*D``,
