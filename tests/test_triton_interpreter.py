@@ -166,7 +166,7 @@ PACKED_SCRIPT = textwrap.dedent(
         return best
 
     rng = np.random.default_rng(0)
-    for trial in range(60):
+    for trial in range(12):
         block = (64, 128)[trial % 2]
         counts = torch.tensor(rng.integers(0, block, rng.integers(1, 9)) if trial % 3 else rng.integers(block // 3, block // 3 * 2, 8))
         blocks = fit_blocks(Sequences(torch.cumsum(counts, 0) - counts, counts, counts.sum(), int(counts.max()) + 1), block)
