@@ -129,7 +129,7 @@ def measure_packed(size: str, atoms: int) -> list[dict]:
     :func:`inputs`; ``fit`` is :func:`ase_tcfp32.kernels.attention.packed_blocks`, which the
     forward times include."""
     counts, width = water_counts(size, atoms), D_PET[size]
-    tokens = int(counts.max()) + 1 + MARGIN  # as the lean engine tiles them
+    tokens, scale = int(counts.max()) + 1 + MARGIN, 1 / (width // HEADS) ** 0.5  # tokens: as the lean engine tiles them
     g = torch.Generator(device="cuda").manual_seed(atoms + width)
     first, total = torch.cumsum(counts, 0) - counts, int(counts.sum())
     edge_qkv = torch.randn(total, 3 * width, device="cuda", generator=g)
@@ -139,14 +139,13 @@ def measure_packed(size: str, atoms: int) -> list[dict]:
     blocks = kernels.packed_blocks(sequences, HEADS, width // HEADS)
     fit_ms = do_bench(lambda: kernels.packed_blocks(sequences, HEADS, width // HEADS), warmup=25, rep=200)
     grads = torch.randn(total, width, device="cuda"), torch.randn(atoms, width, device="cuda")
-    forward_ms = do_bench(lambda: tc_attention_packed(edge_qkv, node_qkv, bias, sequences, HEADS, 1 / (width // HEADS) ** 0.5),
-                          warmup=25, rep=200)  # fmt: skip
+    forward_ms = do_bench(lambda: tc_attention_packed(edge_qkv, node_qkv, bias, sequences, HEADS, scale), warmup=25, rep=200)
     leaves = [t.clone().requires_grad_() for t in (edge_qkv, node_qkv, bias)]
 
     def both():
         for t in leaves:
             t.grad = None
-        torch.autograd.backward(tc_attention_packed(*leaves, sequences, HEADS, 1 / (width // HEADS) ** 0.5), grads)
+        torch.autograd.backward(tc_attention_packed(*leaves, sequences, HEADS, scale), grads)
 
     both_ms = do_bench(both, warmup=25, rep=200)
     n = min(atoms, CHECKED)
@@ -163,7 +162,7 @@ def measure_packed(size: str, atoms: int) -> list[dict]:
     found = {}
     for name, function, dtype in (("ours", tc_attention_packed, torch.float32), ("exact", packed_attention_in_torch, torch.float64)):
         part = [t[:rows if len(t) == total else n].detach().to(dtype).clone().requires_grad_() for t in (edge_qkv, node_qkv, bias)]
-        out = function(*part, checked, HEADS, 1 / (width // HEADS) ** 0.5)
+        out = function(*part, checked, HEADS, scale)
         torch.autograd.backward(out, [g[: len(o)].to(dtype) for g, o in zip(grads, out)])
         found[name] = by_sequence(*out), torch.cat([part[1].grad, part[0].grad]), part[2].grad
     per_head = lambda t: t.reshape(*t.shape[:2], HEADS, -1).transpose(1, 2).flatten(2)  # noqa: E731
