@@ -70,26 +70,21 @@ def _warmup(args) -> None:
 
 
 def _ipi_driver(args) -> None:
-    """Replace this process by i-PI's Python driver running :mod:`ase_tcfp32.ipi`."""
-    import os
-    import shutil
-    from pathlib import Path
-
-    from . import ipi
-
-    script = shutil.which("i-pi-py_driver") or str(Path(sys.executable).parent / "i-pi-py_driver")
-    if not Path(script).exists():
-        raise SystemExit("i-PI's driver script i-pi-py_driver was not found: pip install 'ase-tcfp32[ipi]'")
-    options = {"template": args.template, "model": args.model, "precision": args.precision, "engine": args.engine}
-    if args.device:
-        options["device"] = args.device
-    if args.neighbor_skin is not None:
-        options["neighbor_skin"] = args.neighbor_skin
-    command = [sys.executable, script, "-m", "custom", "-P", ipi.__file__, "-a", args.address,
-               "-o", ",".join(f"{k}={v}" for k, v in options.items())]  # fmt: skip
-    command += ["-u", "-S", args.sockets_prefix] if args.unix else ["-p", str(args.port)]
-    command += ["-v"] if args.verbose else []
-    os.execv(sys.executable, command)
+    """Load the model, then serve i-PI with :mod:`ase_tcfp32.ipi`'s driver."""
+    try:
+        from . import ipi
+    except ImportError as error:
+        raise SystemExit(f"the i-PI driver needs i-PI ({error}): pip install 'ase-tcfp32[ipi]'") from None
+    if not args.wait >= 0:
+        raise SystemExit(f"--wait is a number of seconds, 0 or more, not {args.wait}")
+    try:
+        driver = ipi.TCPETDriver(template=args.template, model=args.model, precision=args.precision,
+                                 device=args.device, engine=args.engine, neighbor_skin=args.neighbor_skin,
+                                 verbose=args.verbose)  # fmt: skip
+    except ValueError as error:  # a bad option or template, said before anything is served
+        raise SystemExit(f"ase-tcfp32 ipi-driver: {error}") from None
+    ipi.serve(driver, args.address, unix=args.unix, port=args.port, sockets_prefix=args.sockets_prefix,
+              wait=args.wait, verbose=args.verbose)  # fmt: skip
 
 
 def _bytecode_cache() -> str:
@@ -203,6 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     driver.add_argument("--engine", default="auto", choices=ENGINES)
     driver.add_argument("--device", default=None, help="cuda:0, or cuda:0;cuda:1 to split each batch across GPUs")
     driver.add_argument("--neighbor-skin", type=float, default=None, help="Verlet skin in Å (default: the engine's)")
+    driver.add_argument("--wait", type=float, default=60.0,
+                        help="seconds to wait for the server's socket after the model is loaded (default 60)")
     driver.add_argument("--verbose", action="store_true")
     driver.set_defaults(func=_ipi_driver)
     info = commands.add_parser("info", help="versions, GPUs, precisions and what auto picks")

@@ -9,6 +9,9 @@ call (:meth:`TCPETCalculator.evaluate`)::
         -u -a water -o template=water.xyz,model=pet-mad-s,precision=auto,device=cuda:0
     ase-tcfp32 ipi-driver --unix --address water --template water.xyz --model pet-mad-s
 
+``ase-tcfp32 ipi-driver`` (:func:`serve`) loads the model first, then waits for the server's
+socket (``--wait`` seconds), so drivers may be started before i-PI.
+
 Options: ``template`` (a file ASE reads: the atoms' species and order, which i-PI does not
 send), ``model`` (uPET name or checkpoint), ``precision``, ``engine``, ``neighbor_skin`` (Å)
 and ``device`` (``"cuda:0;cuda:1"`` splits each batch across GPUs, one calculator and one
@@ -25,6 +28,7 @@ __DRIVER_NAME__ = "tcpet"
 __DRIVER_CLASS__ = "TCPETDriver"
 
 import atexit
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -79,6 +83,41 @@ def pimd_input(structure: str, *, beads: int, steps: int, batch_size: int = 1, a
     return PIMD_INPUT.format(structure=structure, beads=beads, steps=steps, batch_size=batch_size, address=address,
                              sockets=sockets, prefix=prefix, temperature=temperature, timestep_fs=timestep_fs,
                              trajectory_stride=trajectory_stride, consolidate=consolidate)  # fmt: skip
+
+
+def serve(driver: TCPETDriver, address: str, *, unix: bool = False, port: int = 12345,
+          sockets_prefix: str = "/tmp/ipi_", wait: float = 60.0, verbose: bool = False) -> None:
+    """Answer the i-PI server at ``address`` (a unix socket ``sockets_prefix + address``, or
+    a host name and TCP ``port``) with ``driver`` until the server says exit, through i-PI's
+    own client loop (``run_driver`` of its ``i-pi-py_driver`` script). A server not
+    listening yet is tried again every 0.1 s for ``wait`` seconds, then a clear error: the
+    model is loaded before the first try, so drivers started with the server connect
+    together as soon as its socket opens."""
+    import runpy
+    import shutil
+    import sys
+    from pathlib import Path
+
+    script = shutil.which("i-pi-py_driver") or str(Path(sys.executable).parent / "i-pi-py_driver")
+    if not Path(script).exists():
+        raise SystemExit("i-PI's driver script i-pi-py_driver was not found: pip install 'ase-tcfp32[ipi]'")
+    if not wait >= 0:
+        raise ValueError(f"wait is a number of seconds, 0 or more, not {wait!r}")
+    run_driver = runpy.run_path(script, run_name="i-pi-py_driver")["run_driver"]
+    where = sockets_prefix + address if unix else f"{address}:{port}"
+    print(f"tcpet driver: {driver.calculators[0]!r}; serving i-PI at {where}", flush=True)
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return run_driver(unix=unix, address=address, port=port, driver=driver, f_verbose=verbose,
+                              sockets_prefix=sockets_prefix)  # fmt: skip
+        except (FileNotFoundError, ConnectionRefusedError) as error:  # its connect's, before any request
+            if driver.requests:
+                raise
+            if time.monotonic() >= deadline:
+                raise SystemExit(f"tcpet driver: no i-PI server listening at {where} after {wait:g} s ({error}); "
+                                 "start i-pi with this address, or give the driver a longer --wait") from None  # fmt: skip
+            time.sleep(0.1)
 
 
 class TCPETDriver(Dummy_driver):

@@ -83,6 +83,23 @@ def driver(processes, folder, name, template="water.xyz", **options):
     return processes.start(args, folder, name)
 
 
+def cli_driver(processes, folder, name, *options):
+    """``ase-tcfp32 ipi-driver`` for the server at ``folder/pet`` (the bundled model, fp32 on
+    CPU), with ``options`` after the defaults."""
+    command = [str(BIN / "ase-tcfp32"), "ipi-driver", "--unix", "--address", "pet", "--sockets-prefix", f"{folder}/",
+               "--template", str(folder / "water.xyz"), "--model", MODEL, "--precision", "fp32", "--device", "cpu",
+               *options]  # fmt: skip
+    return processes.start(command, folder, name)
+
+
+def wait_for_line(process, folder, name, line, seconds=120):
+    """Until ``line`` is in ``name``'s log (the process must stay alive meanwhile)."""
+    deadline = time.time() + seconds
+    while line not in (folder / f"{name}.log").read_text():
+        assert process.poll() is None and time.time() < deadline, (folder / f"{name}.log").read_text()[-2000:]
+        time.sleep(0.2)
+
+
 def ase_tcfp32_ipi() -> str:
     import ase_tcfp32.ipi
 
@@ -115,11 +132,16 @@ def frames(folder, what, bead):
 
 def test_pimd_served_by_two_drivers_matches_direct_evaluation(run_folder, processes):
     """4-bead PIMD NVT, batches of 4, two drivers: for every bead and step, i-PI's forces and
-    bead energies are those of a direct ASE evaluation of the positions i-PI sent."""
+    bead energies are those of a direct ASE evaluation of the positions i-PI sent. The
+    drivers load their model first and wait for the server, so both serve the run (a driver
+    started after the run's end would find no server)."""
     steps = 4
+    drivers = [cli_driver(processes, run_folder, name) for name in ("driver-a", "driver-b")]
+    for name, process in zip(("driver-a", "driver-b"), drivers):
+        wait_for_line(process, run_folder, name, "serving i-PI at")
     ipi = server(processes, run_folder, steps)
-    drivers = [driver(processes, run_folder, name) for name in ("driver-a", "driver-b")]
     assert wait(ipi, run_folder, 240, drivers) == 0, (run_folder / "server.log").read_text()[-2000:]
+    assert (run_folder / "server.log").read_text().count("Handshaking was successful") == 2
     properties = np.loadtxt(run_folder / "sim.out", ndmin=2)
     assert properties.shape[0] == steps + 1  # step 0 and every step after
     served = 0
@@ -233,14 +255,18 @@ def test_a_padded_batch_is_answered_from_its_real_structures(tmp_path):
 
 def test_the_command_line_driver_serves_a_run(run_folder, processes):
     """'ase-tcfp32 ipi-driver' is the same driver with friendlier flags: it serves a short
-    run, and a template it cannot read stops it with a clear error."""
+    run; with no server it gives up after --wait seconds saying so; a template it cannot
+    read and a negative --wait stop it with a clear error."""
     ipi = server(processes, run_folder, steps=2)
-    command = [str(BIN / "ase-tcfp32"), "ipi-driver", "--unix", "--address", "pet", "--sockets-prefix", f"{run_folder}/",
-               "--template", str(run_folder / "water.xyz"), "--model", MODEL, "--precision", "fp32", "--device", "cpu"]  # fmt: skip
-    driver_process = processes.start(command, run_folder, "cli-driver")
-    assert wait(ipi, run_folder, 240, [driver_process]) == 0
+    driver_process = cli_driver(processes, run_folder, "cli-driver")
+    assert wait(ipi, run_folder, 240, [driver_process]) == 0 and driver_process.wait(timeout=30) == 0
     assert len(np.loadtxt(run_folder / "sim.out", ndmin=2)) == 3
-    broken = processes.start(command[:-8] + ["--template", str(run_folder / "missing.xyz"), "--model", MODEL,
-                                             "--precision", "fp32", "--device", "cpu"], run_folder, "cli-broken")  # fmt: skip
+    late = cli_driver(processes, run_folder, "cli-late", "--wait", "0.5")  # the run is over: nobody listens
+    assert wait(late, run_folder, 120) != 0
+    assert f"no i-PI server listening at {run_folder}/pet after 0.5 s" in (run_folder / "cli-late.log").read_text()
+    broken = cli_driver(processes, run_folder, "cli-broken", "--template", str(run_folder / "missing.xyz"))
     assert wait(broken, run_folder, 120) != 0
-    assert "could not read template=" in (run_folder / "cli-broken.log").read_text()
+    assert "ase-tcfp32 ipi-driver: the tcpet driver could not read template=" in (run_folder / "cli-broken.log").read_text()
+    negative = cli_driver(processes, run_folder, "cli-negative", "--wait", "-1")
+    assert wait(negative, run_folder, 60) != 0
+    assert "--wait is a number of seconds, 0 or more, not -1.0" in (run_folder / "cli-negative.log").read_text()
