@@ -24,9 +24,10 @@ def test_builders():
 @pytest.fixture(scope="module")
 def quick_suite(tmp_path_factory):
     """The quick suite with the default model (the bundled demo) and precisions (every
-    mode the CPU runs)."""
+    mode the CPU runs), NVE and FIRE runs in two worker processes (a third less time on the
+    2-core CI machine)."""
     out = tmp_path_factory.mktemp("validation")
-    main(["validate", "all", "--quick", "--out", str(out), "--device", "cpu"])
+    main(["validate", "all", "--quick", "--jobs", "2", "--out", str(out), "--device", "cpu"])
     return out
 
 
@@ -82,17 +83,17 @@ def test_report_from_the_files_of_tests_run_one_by_one(quick_suite, capsys):
 
 
 def test_nve_in_worker_processes_gives_the_same_trajectories(quick_suite, tmp_path):
-    """--jobs 2 runs the precisions in two spawned processes, each with its share of the
-    CPU threads. A different thread count changes the order of CPU reductions, so the
-    trajectories agree within FP32's own noise: the larger of the spread that a 1e-6 Å
+    """--jobs 2 (the quick suite's) runs the precisions in two spawned processes, each with
+    its share of the CPU threads; here they run again one after the other, in this process.
+    A different thread count changes the order of CPU reductions, so the trajectories agree within FP32's own noise: the larger of the spread that a 1e-6 Å
     displacement (the "fp32 noise" run) gives the serial FP32 trajectory, and four units
     of FP32 rounding of the total energy. The displaced run is one sample of that noise
     and the reordered one another, so either can be the larger (1.46e-7 against 1.38e-7
     eV/atom in one CI run, at 5.2 eV/atom, whose FP32 rounding unit is 3.1e-7); a worker
     with the wrong model or precision misses by orders of magnitude."""
     main(["validate", "nve", "--model", "pet-demo-chgnet", "--quick", "--precisions", "fp32,tf32x3",
-          "--jobs", "2", "--out", str(tmp_path), "--device", "cpu"])  # fmt: skip
-    parallel, serial = load(tmp_path, "nve")["traces"], load(quick_suite, "nve")["traces"]
+          "--out", str(tmp_path), "--device", "cpu"])  # fmt: skip
+    parallel, serial = load(quick_suite, "nve")["traces"], load(tmp_path, "nve")["traces"]
     energy = {name: np.array(trace["e_tot_eV_atom"]) for name, trace in serial.items()}
     noise = max(np.abs(energy["fp32 noise"] - energy["fp32"]).max(), 4 * 2.0**-24 * np.abs(energy["fp32"]).max())
     for precision in ("fp32", "tf32x3"):
