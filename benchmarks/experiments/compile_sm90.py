@@ -81,18 +81,23 @@ def main() -> None:
         kernel = triton.compile(GluonASTSource(fn, sig, constexprs=constants), target=TARGET, options=dict(num_warps=g["num_warps"]))
         print(f"{name}, BK={bk}, {stages} stages:", structure(kernel))
 
-    for bk, stages in ((32, 4), (64, 3)):
-        g = dict(fp16x3.CONFIG, BK=bk, STAGES=stages)
-        signature = {
-            "x_desc": gluon_descriptor([g["BM"], bk]), "hi_desc": gluon_descriptor([g["BN"], bk], "fp16"),
-            "lo_desc": gluon_descriptor([g["BN"], bk], "fp16"), "y_ptr": "*fp32", "scale_ptr": "*fp32", "bias_ptr": "*fp32",
-            "M": "i32", "N": "i32", "stride_ym": "i32", "HAS_BIAS": "constexpr", "STAGES": "constexpr",
-            "GROUP_M": "constexpr", "num_warps": "constexpr",
-        }  # fmt: skip
-        constants = dict(HAS_BIAS=True, STAGES=stages, GROUP_M=g["GROUP_M"], num_warps=g["num_warps"])
-        kernel = triton.compile(GluonASTSource(fp16x3._fp16x3_kernel, signature, constexprs=constants), target=TARGET,
-                                options=dict(num_warps=g["num_warps"]))  # fmt: skip
+    for bk, stages in ((32, 4), (64, 2)):
+        kernel = compile_fp16x3(fp16x3._fp16x3_kernel, dict(fp16x3.CONFIG, BK=bk, STAGES=stages))
         print(f"fp16x3, BK={bk}, {stages} stages:", structure(kernel))
+
+
+def compile_fp16x3(kernel, config: dict):
+    """``kernel`` with the fp16x3 kernel's signature (``kernels/fp16x3.py``) under ``config``, for sm_90."""
+    bm, bn, bk = config["BM"], config["BN"], config["BK"]
+    signature = {
+        "x_desc": gluon_descriptor([bm, bk]), "hi_desc": gluon_descriptor([bn, bk], "fp16"),
+        "lo_desc": gluon_descriptor([bn, bk], "fp16"), "y_desc": gluon_descriptor([bm, bn]), "scale_ptr": "*fp32",
+        "bias_ptr": "*fp32", "M": "i32", "N": "i32", "HAS_BIAS": "constexpr", "STAGES": "constexpr",
+        "GROUP_M": "constexpr", "num_warps": "constexpr",
+    }  # fmt: skip
+    constants = dict(HAS_BIAS=True, STAGES=config["STAGES"], GROUP_M=config["GROUP_M"], num_warps=config["num_warps"])
+    return triton.compile(GluonASTSource(kernel, signature, constexprs=constants), target=TARGET,
+                          options=dict(num_warps=config["num_warps"]))  # fmt: skip
 
 if __name__ == "__main__":
     main()
