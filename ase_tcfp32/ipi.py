@@ -28,8 +28,10 @@ __DRIVER_NAME__ = "tcpet"
 __DRIVER_CLASS__ = "TCPETDriver"
 
 import atexit
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import numpy as np
 from ipi.pes.dummy import Dummy_driver
@@ -85,6 +87,17 @@ def pimd_input(structure: str, *, beads: int, steps: int, batch_size: int = 1, a
                              trajectory_stride=trajectory_stride, consolidate=consolidate)  # fmt: skip
 
 
+class _ClientSocket(socket.socket):
+    """i-PI's client socket, except that reading nothing (the server has gone) is an error:
+    i-PI 3.3.1's client loop would read empty headers forever, at full CPU."""
+
+    def recv(self, size: int, *flags) -> bytes:
+        data = super().recv(size, *flags)
+        if size and not data:
+            raise ConnectionResetError("the server closed the connection")
+        return data
+
+
 def serve(driver: TCPETDriver, address: str, *, unix: bool = False, port: int = 12345,
           sockets_prefix: str = "/tmp/ipi_", wait: float = 60.0, verbose: bool = False) -> None:
     """Answer the i-PI server at ``address`` (a unix socket ``sockets_prefix + address``, or
@@ -92,7 +105,8 @@ def serve(driver: TCPETDriver, address: str, *, unix: bool = False, port: int = 
     own client loop (``run_driver`` of its ``i-pi-py_driver`` script). A server not
     listening yet is tried again every 0.1 s for ``wait`` seconds, then a clear error: the
     model is loaded before the first try, so drivers started with the server connect
-    together as soon as its socket opens."""
+    together as soon as its socket opens. A server that goes away without saying exit
+    (stopped, killed, failed) stops the driver with an error that says so."""
     import runpy
     import shutil
     import sys
@@ -104,6 +118,7 @@ def serve(driver: TCPETDriver, address: str, *, unix: bool = False, port: int = 
     if not wait >= 0:
         raise ValueError(f"wait is a number of seconds, 0 or more, not {wait!r}")
     run_driver = runpy.run_path(script, run_name="i-pi-py_driver")["run_driver"]
+    run_driver.__globals__["socket"] = SimpleNamespace(**{**vars(socket), "socket": _ClientSocket})
     where = sockets_prefix + address if unix else f"{address}:{port}"
     print(f"tcpet driver: {driver.calculators[0]!r}; serving i-PI at {where}", flush=True)
     deadline = time.monotonic() + wait
@@ -118,6 +133,9 @@ def serve(driver: TCPETDriver, address: str, *, unix: bool = False, port: int = 
                 raise SystemExit(f"tcpet driver: no i-PI server listening at {where} after {wait:g} s ({error}); "
                                  "start i-pi with this address, or give the driver a longer --wait") from None  # fmt: skip
             time.sleep(0.1)
+        except ConnectionError as error:
+            raise SystemExit(f"tcpet driver: the i-PI server at {where} closed the connection without saying exit "
+                             f"({error}): it stopped or failed (its output says why)") from None  # fmt: skip
 
 
 class TCPETDriver(Dummy_driver):

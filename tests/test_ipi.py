@@ -187,6 +187,24 @@ def test_a_killed_driver_loses_no_step(run_folder, processes):
     assert np.all(np.isfinite(done[:, 1:]))
 
 
+def test_a_server_that_dies_stops_its_driver_with_a_clear_error(run_folder, processes):
+    """i-PI killed mid-run: the driver exits saying so (i-PI 3.3.1's own client loop, idle
+    when its server dies, reads empty headers forever). The server is stopped first so
+    that the driver is usually waiting for its next request when the server goes; a driver
+    still computing meets the closed socket when it answers, with the same message."""
+    ipi = server(processes, run_folder, steps=1000)
+    process = cli_driver(processes, run_folder, "cli-driver")
+    out, deadline = run_folder / "sim.out", time.time() + 120
+    while not out.exists() or len(out.read_text().splitlines()) < 3:
+        assert time.time() < deadline and process.poll() is None, (run_folder / "cli-driver.log").read_text()[-2000:]
+        time.sleep(0.2)
+    os.killpg(ipi.pid, signal.SIGSTOP)
+    time.sleep(1.0)
+    os.killpg(ipi.pid, signal.SIGKILL)
+    assert wait(process, run_folder, 60) != 0
+    assert f"the i-PI server at {run_folder}/pet closed the connection" in (run_folder / "cli-driver.log").read_text()
+
+
 @pytest.mark.parametrize(
     "options,message",
     [
