@@ -205,6 +205,26 @@ def test_a_server_that_dies_stops_its_driver_with_a_clear_error(run_folder, proc
     assert f"the i-PI server at {run_folder}/pet closed the connection" in (run_folder / "cli-driver.log").read_text()
 
 
+def test_a_connection_closed_without_exit_stops_the_driver(run_folder, processes):
+    """A server that accepts the driver and closes the connection without a word: the
+    driver reads an empty header and exits saying so (i-PI 3.3.1's own loop would read
+    empty headers forever)."""
+    import socket
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(run_folder / "pet"))
+    listener.listen(1)
+    listener.settimeout(120)
+    try:
+        process = cli_driver(processes, run_folder, "cli-driver")
+        connection, _ = listener.accept()
+        connection.close()
+        assert wait(process, run_folder, 60) != 0
+    finally:
+        listener.close()
+    assert f"the i-PI server at {run_folder}/pet closed the connection" in (run_folder / "cli-driver.log").read_text()
+
+
 @pytest.mark.parametrize(
     "options,message",
     [
