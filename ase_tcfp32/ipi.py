@@ -28,9 +28,13 @@ __DRIVER_NAME__ = "tcpet"
 __DRIVER_CLASS__ = "TCPETDriver"
 
 import atexit
+import runpy
+import shutil
 import socket
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -107,11 +111,6 @@ def serve(driver: TCPETDriver, address: str, *, unix: bool = False, port: int = 
     model is loaded before the first try, so drivers started with the server connect
     together as soon as its socket opens. A server that goes away without saying exit
     (stopped, killed, failed) stops the driver with an error that says so."""
-    import runpy
-    import shutil
-    import sys
-    from pathlib import Path
-
     script = shutil.which("i-pi-py_driver") or str(Path(sys.executable).parent / "i-pi-py_driver")
     if not Path(script).exists():
         raise SystemExit("i-PI's driver script i-pi-py_driver was not found: pip install 'ase-tcfp32[ipi]'")
