@@ -122,18 +122,24 @@ def tuned(key: str, candidates: list[dict], measure: Callable[[dict], float]) ->
         return dict(memory[key])
 
 
+def tuning_rows(n: int, k: int) -> int:
+    """Rows of the random x [rows, k] that :func:`tuned_gemm` times a weight [n, k] on:
+    enough to fill a large GPU tens of times over, x and the output at most ~256 MB of
+    FP32 each."""
+    return max(8192, min(2**18, 2**26 // max(n, k)))
+
+
 def tuned_gemm(kernel: str, n: int, k: int, device: torch.device, candidates: list[dict],
                launcher: Callable[[dict], Callable[[torch.Tensor], object]]) -> dict:  # fmt: skip
     """:func:`tuned` for a GEMM with a weight [n, k] on ``device``: ``launcher(config)``
     gives the function that launches it on x [rows, k], timed by Triton's ``do_bench``
-    (median ms). x is random, made only if something is measured, with rows enough to
-    fill a large GPU tens of times over (x and the output at most ~256 MB of FP32 each):
-    the choice is for the large systems, where GEMM time matters."""
+    (median ms). x is random, made only if something is measured, with
+    :func:`tuning_rows` rows: the choice is for the large systems, where GEMM time matters."""
     from triton.testing import do_bench
 
     @functools.cache
     def operand() -> torch.Tensor:
-        return torch.randn(max(8192, min(2**18, 2**26 // max(n, k))), k, device=device)
+        return torch.randn(tuning_rows(n, k), k, device=device)
 
     def measure(config: dict) -> float:
         run, x = launcher(config), operand()

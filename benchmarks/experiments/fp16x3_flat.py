@@ -23,7 +23,9 @@ PET-S and PET-M shape, forward and backward, with the same bits.
 The A/B times, in one run: cuBLAS FP32 and FP16 (one pass: what three passes at cuBLAS's
 own efficiency would cost), the package kernel, and this one with the package's
 configuration and with other stage counts and tile orders (and BK = 64, which changes the
-bits: every variant's error vs FP64 is recorded).
+bits: every variant's error vs FP64 is recorded). For the lever "tuning per row count" it
+also times the package's tuning candidates on the rows the autotuner uses
+(``autotune.tuning_rows``) and on the shape's own rows: the two winners, side by side.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
 
-from ase_tcfp32.kernels import fp16x3
+from ase_tcfp32.kernels import autotune, fp16x3
 from ase_tcfp32.kernels.context import on_device
 from ase_tcfp32.kernels.fp16x3 import _issue, _loader, _split
 from ase_tcfp32.kernels.gluon_common import descriptor, ring, tile_offsets, tma_ready
@@ -193,10 +195,19 @@ def ab(models: list[str], atoms: int) -> dict:
                     "error_vs_fp64": [((o[head].double() - e).norm() / e.norm()).item() for o, e in zip(outputs, exact)],
                 }  # fmt: skip
                 del outputs
+            rows = autotune.tuning_rows(n, k)
+            row["tuning"] = {"tuning_rows": rows, "candidates": fp16x3.CANDIDATES, "ms": {}}
+            for label, operands in [("tuning rows", (x[:rows], dy[:rows])), ("all rows", (x, dy))]:
+                row["tuning"]["ms"][label] = [
+                    [do_bench(lambda: fp16x3.launch(a, words, config=c), return_mode="median") for c in fp16x3.CANDIDATES]
+                    for a, words in zip(operands, (forward, backward))
+                ]  # fmt: skip
             fp32 = row["cublas_fp32_ms"]
             cells = [f"cuBLAS FP16 {fp32[0] / row['cublas_fp16_ms'][0]:.1f}/{fp32[1] / row['cublas_fp16_ms'][1]:.1f}x"]
             cells += [f"{name} {fp32[0] / row[name]['ms'][0]:.2f}/{fp32[1] / row[name]['ms'][1]:.2f}x"
                       + ("" if all(row[name]["same_bits"]) else " (other bits)") for name in VARIANTS]  # fmt: skip
+            chosen = {label: [min(range(len(t)), key=t.__getitem__) for t in times] for label, times in row["tuning"]["ms"].items()}
+            cells.append(f"tuning candidate fwd/bwd on {rows} rows {chosen['tuning rows']}, on all {chosen['all rows']}")
             print(f"{model} {layer:26} {m}x{k}x{n}:", "; ".join(cells), flush=True)
             results["shapes"].append(row)
             del x, dy, reference
