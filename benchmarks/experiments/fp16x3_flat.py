@@ -179,7 +179,6 @@ def ab(models: list[str], atoms: int) -> dict:
             row["cublas_fp32_ms"] = [do_bench(lambda: x @ w.T, return_mode="median"), do_bench(lambda: dy @ w, return_mode="median")]
             xh, wh, dyh = x.half(), w.half(), dy.half()
             row["cublas_fp16_ms"] = [do_bench(lambda: xh @ wh.T, return_mode="median"), do_bench(lambda: dyh @ wh, return_mode="median")]
-            del xh, dyh
             head = slice(0, 16384)
             exact = (x[head].double() @ w.double().T, dy[head].double() @ w.double())
             forward, backward = fp16x3.split_weight(w), fp16x3.split_weight(w.T.contiguous())
@@ -194,7 +193,6 @@ def ab(models: list[str], atoms: int) -> dict:
                     "same_bits": [torch.equal(o, r) for o, r in zip(outputs, reference)],
                     "error_vs_fp64": [((o[head].double() - e).norm() / e.norm()).item() for o, e in zip(outputs, exact)],
                 }  # fmt: skip
-                del outputs
             rows = autotune.tuning_rows(n, k)
             row["tuning"] = {"tuning_rows": rows, "candidates": fp16x3.CANDIDATES, "ms": {}}
             for label, operands in [("tuning rows", (x[:rows], dy[:rows])), ("all rows", (x, dy))]:
@@ -210,8 +208,6 @@ def ab(models: list[str], atoms: int) -> dict:
             cells.append(f"tuning candidate fwd/bwd on {rows} rows {chosen['tuning rows']}, on all {chosen['all rows']}")
             print(f"{model} {layer:26} {m}x{k}x{n}:", "; ".join(cells), flush=True)
             results["shapes"].append(row)
-            del x, dy, reference
-            torch.cuda.empty_cache()
     return results
 
 
