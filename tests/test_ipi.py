@@ -92,12 +92,19 @@ def cli_driver(processes, folder, name, *options):
     return processes.start(command, folder, name)
 
 
-def wait_for_line(process, folder, name, line, seconds=120):
-    """Until ``line`` is in ``name``'s log (the process must stay alive meanwhile)."""
+def wait_until(ready, process, log: Path, seconds: float = 120) -> None:
+    """Until ``ready()``, within ``seconds``; ``process`` must stay alive meanwhile (else
+    the tail of ``log`` says why)."""
     deadline = time.time() + seconds
-    while line not in (folder / f"{name}.log").read_text():
-        assert process.poll() is None and time.time() < deadline, (folder / f"{name}.log").read_text()[-2000:]
+    while not ready():
+        assert process.poll() is None and time.time() < deadline, log.read_text()[-2000:]
         time.sleep(0.2)
+
+
+def steps_written(folder: Path) -> int:
+    """Rows of i-PI's ``sim.out`` so far (its ``#`` header lines not counted)."""
+    out = folder / "sim.out"
+    return sum(1 for line in out.read_text().splitlines() if line.strip() and not line.startswith("#")) if out.exists() else 0
 
 
 def ase_tcfp32_ipi() -> str:
@@ -138,7 +145,8 @@ def test_pimd_served_by_two_drivers_matches_direct_evaluation(run_folder, proces
     steps = 4
     drivers = [cli_driver(processes, run_folder, name) for name in ("driver-a", "driver-b")]
     for name, process in zip(("driver-a", "driver-b"), drivers):
-        wait_for_line(process, run_folder, name, "serving i-PI at")
+        log = run_folder / f"{name}.log"
+        wait_until(lambda: "serving i-PI at" in log.read_text(), process, log)
     ipi = server(processes, run_folder, steps)
     assert wait(ipi, run_folder, 240, drivers) == 0, (run_folder / "server.log").read_text()[-2000:]
     assert (run_folder / "server.log").read_text().count("Handshaking was successful") == 2
@@ -175,14 +183,10 @@ def test_a_killed_driver_loses_no_step(run_folder, processes):
     ipi = server(processes, run_folder, steps, batch=1, consolidate=False)
     victim = driver(processes, run_folder, "driver-a")
     survivor = driver(processes, run_folder, "driver-b")
-    out = run_folder / "sim.out"
-    deadline = time.time() + 180
-    while not out.exists() or len(np.loadtxt(out, ndmin=2)) < 3:  # a few steps done by both
-        assert time.time() < deadline and ipi.poll() is None, (run_folder / "server.log").read_text()[-2000:]
-        time.sleep(0.2)
+    wait_until(lambda: steps_written(run_folder) >= 3, ipi, run_folder / "server.log", 180)  # a few steps done by both
     os.killpg(victim.pid, signal.SIGKILL)
     assert wait(ipi, run_folder, 240, [survivor]) == 0, (run_folder / "server.log").read_text()[-2000:]
-    done = np.loadtxt(out, ndmin=2)
+    done = np.loadtxt(run_folder / "sim.out", ndmin=2)
     assert list(done[:, 0]) == list(range(steps + 1))
     assert np.all(np.isfinite(done[:, 1:]))
 
@@ -194,10 +198,7 @@ def test_a_server_that_dies_stops_its_driver_with_a_clear_error(run_folder, proc
     still computing meets the closed socket when it answers, with the same message."""
     ipi = server(processes, run_folder, steps=1000)
     process = cli_driver(processes, run_folder, "cli-driver")
-    out, deadline = run_folder / "sim.out", time.time() + 120
-    while not out.exists() or len(out.read_text().splitlines()) < 3:
-        assert time.time() < deadline and process.poll() is None, (run_folder / "cli-driver.log").read_text()[-2000:]
-        time.sleep(0.2)
+    wait_until(lambda: steps_written(run_folder) >= 3, process, run_folder / "cli-driver.log")
     os.killpg(ipi.pid, signal.SIGSTOP)
     time.sleep(1.0)
     os.killpg(ipi.pid, signal.SIGKILL)
