@@ -91,6 +91,11 @@ def pimd_input(structure: str, *, beads: int, steps: int, batch_size: int = 1, a
                              trajectory_stride=trajectory_stride, consolidate=consolidate)  # fmt: skip
 
 
+def driver_script() -> str:
+    """i-PI's Python driver launcher, ``i-pi-py_driver``: on the PATH, or next to this Python."""
+    return shutil.which("i-pi-py_driver") or str(Path(sys.executable).parent / "i-pi-py_driver")
+
+
 class _ClientSocket(socket.socket):
     """i-PI's client socket, except that reading nothing (the server has gone) is an error:
     i-PI 3.3.1's client loop would read empty headers forever, at full CPU."""
@@ -111,7 +116,7 @@ def serve(driver: TCPETDriver, address: str, *, unix: bool = False, port: int = 
     model is loaded before the first try, so drivers started with the server connect
     together as soon as its socket opens. A server that goes away without saying exit
     (stopped, killed, failed) stops the driver with an error that says so."""
-    script = shutil.which("i-pi-py_driver") or str(Path(sys.executable).parent / "i-pi-py_driver")
+    script = driver_script()
     if not Path(script).exists():
         raise SystemExit("i-PI's driver script i-pi-py_driver was not found: pip install 'ase-tcfp32[ipi]'")
     if not wait >= 0:

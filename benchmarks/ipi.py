@@ -40,7 +40,6 @@ import numpy as np
 # this file is named like the i-PI package: keep its folder off the import path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 I_PI = shutil.which("i-pi") or str(Path(sys.executable).parent / "i-pi")
-DRIVER = shutil.which("i-pi-py_driver") or str(Path(sys.executable).parent / "i-pi-py_driver")
 
 
 def run(model: str, structure, *, beads: int, steps: int, warmup: int, batch_size: int,
@@ -72,7 +71,7 @@ def run(model: str, structure, *, beads: int, steps: int, warmup: int, batch_siz
         for k, options in enumerate(drivers):
             options = dict(options)
             extra, mode = options.pop("env", {}), options.pop("mode", "custom")
-            args = [sys.executable, DRIVER, "-m", mode, "-u", "-a", "pet", "-S", f"{folder}/"]
+            args = [sys.executable, ipi.driver_script(), "-m", mode, "-u", "-a", "pet", "-S", f"{folder}/"]
             if mode == "custom":
                 params = {"template": f"{folder}/structure.xyz", "model": model, **options}
                 args += ["-P", ipi.__file__, "-o", ",".join(f"{key}={value}" for key, value in params.items())]
