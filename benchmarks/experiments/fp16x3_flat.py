@@ -1,4 +1,4 @@
-"""Pending: the fp16x3 kernel with one K loop over all of a program's output tiles.
+"""The fp16x3 kernel with one K loop over all of a program's output tiles, and other GEMM levers.
 
     python benchmarks/experiments/fp16x3_flat.py --compile     # offline, sm_90 (Triton 3.6), no GPU
     python benchmarks/experiments/fp16x3_flat.py --out ab.json # on a Hopper GPU
@@ -9,23 +9,18 @@ memory, TMA) runs while the tensor cores idle. Here the loop runs over the K-til
 of the program's tiles: when K-tile j - 1 ends a tile, j (the next tile's first) is split
 while j - 1 runs and issued before the finished tile is stored, so its products run during
 the store. The arithmetic (split, products, joins, their order) is the package's, so the
-bits must be the same (checked on every shape); only the schedule differs. Prediction:
-up to ~10% on the K = 256 shapes (8 K-tiles per tile; session 10's profile put 12% of the
-consumers' samples in the first K-tile and 22% in the store, before the TMA store).
-
-Offline (``--compile``, Triton 3.6, sm_90a): not serialised, 2 waits per K-tile as the
-package's, 168 registers, no spills, the same shared memory (196,804 bytes); with BK = 64
-only 2 stages fit (3 need 262,332 bytes) and it spills 216 bytes (the package kernel
-none). Not yet run on a GPU: the
-session that wrote it had no device time left. Adopt it if it is faster on every large
-PET-S and PET-M shape, forward and backward, with the same bits.
+bits are the same (checked on every shape); only the schedule differs.
 
 The A/B times, in one run: cuBLAS FP32 and FP16 (one pass: what three passes at cuBLAS's
-own efficiency would cost), the package kernel, and this one with the package's
-configuration and with other stage counts and tile orders (and BK = 64, which changes the
-bits: every variant's error vs FP64 is recorded). For the lever "tuning per row count" it
-also times the package's tuning candidates on the rows the autotuner uses
-(``autotune.tuning_rows``) and on the shape's own rows: the two winners, side by side.
+own efficiency would cost), the package kernel, and the variants (other stage counts, tile
+orders, BK = 64, which changes the bits: every variant's error vs FP64 is recorded). For
+the lever "tuning per row count" it also times the package's tuning candidates on the rows
+the autotuner uses (``autotune.tuning_rows``) and on the shape's own rows.
+
+Measured on the H200 in session 23 (``docs/kernel_notes.md``, "Session 23"): the flattened
+loop is ~3% slower than the package on average and faster on 1 of 18 shapes per model, so
+it was not adopted; the tuning candidates' winners differ by less than the run-to-run
+noise; BK = 64 with 2 stages gains ~3% on average, not on every shape.
 """
 
 from __future__ import annotations
@@ -33,17 +28,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from functools import partial
 from pathlib import Path
 
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
 
 from ase_tcfp32.kernels import autotune, fp16x3
 from ase_tcfp32.kernels.context import on_device
-from ase_tcfp32.kernels.fp16x3 import _issue, _loader, _pow2_scales, _split
+from ase_tcfp32.kernels.fp16x3 import _issue, _loader, _split
 from ase_tcfp32.kernels.gluon_common import descriptor, ring, tile_offsets, tma_ready
 from ase_tcfp32.kernels.triton_gemm import sm_count
 
@@ -107,69 +101,6 @@ def _flat_consumer(
 
 
 @gluon.jit
-def _split_scaled(x, up):
-    """The package's split of ``x`` with a given per-row ``up`` (no per-K-tile maximum)."""
-    x = x * gl.expand_dims(up, 1)
-    hi = x.to(gl.float16)
-    lo = gl.maximum(x - hi.to(gl.float32), -16.0).to(gl.float16)
-    largest = gl.full(hi.shape, 65504.0, gl.float16, x.type.layout)
-    return hi, lo, gl.minimum(gl.maximum(hi, -largest), largest)
-
-
-@gluon.jit
-def _accumulate(hi, lo, hi_c, hi_s, lo_s, acc):
-    """The three products of :func:`_issue` added to ``acc`` (``use_acc=True``)."""
-    b_hi = hi_s.permute((1, 0))
-    acc = warpgroup_mma(lo, b_hi, acc, is_async=True)
-    acc = warpgroup_mma(hi_c, lo_s.permute((1, 0)), acc, is_async=True)
-    return warpgroup_mma(hi, b_hi, acc, is_async=True)
-
-
-@gluon.jit
-def _chain_consumer(
-    xs, his, los, ready, empty, ys, y_desc, scale_ptr, bias_ptr, M, N, num_k,
-    HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
-):  # fmt: skip
-    """Ceiling of the per-K-tile join: one power of two per row for the whole K, taken
-    from the tile's first K-tile with 2^4 headroom (later K-tiles whose row maximum is
-    >= 32x the first's would overflow: not a production scheme), so every K-tile's
-    products go into one accumulator with the next K-tile's issued before this one is
-    waited for (one K-tile in flight, no join)."""
-    BM: gl.constexpr = xs.shape[1]
-    BN: gl.constexpr = his.shape[1]
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    rows_layout: gl.constexpr = gl.SliceLayout(1, mma)
-    cols_layout: gl.constexpr = gl.SliceLayout(0, mma)
-    zero = gl.zeros((BM, BN), gl.float32, mma)
-    it = 0
-    for tile in range(gl.program_id(0), gl.cdiv(M, BM) * gl.cdiv(N, BN), gl.num_programs(0)):
-        off_m, off_n = tile_offsets(M, N, BM, BN, GROUP_M, tile)
-        s = it % STAGES
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        x = xs.index(s).load(a_layout)
-        up, down = _pow2_scales(gl.max(gl.abs(x), axis=1) * 16.0)
-        hi, lo, hi_c = _split_scaled(x, up)
-        acc = _issue(hi, lo, hi_c, his.index(s), los.index(s), zero)
-        acc, hi, lo, hi_c = warpgroup_mma_wait(num_outstanding=3, deps=(acc, hi, lo, hi_c))  # (a tensor again)
-        for ki in range(1, num_k):
-            it += 1
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            next_hi, next_lo, next_hi_c = _split_scaled(xs.index(s).load(a_layout), up)
-            acc = _accumulate(next_hi, next_lo, next_hi_c, his.index(s), los.index(s), acc)
-            acc, hi, lo, hi_c = warpgroup_mma_wait(num_outstanding=3, deps=(acc, hi, lo, hi_c))
-            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
-            hi, lo, hi_c = next_hi, next_lo, next_hi_c
-        acc, hi, lo, hi_c = warpgroup_mma_wait(num_outstanding=0, deps=(acc, hi, lo, hi_c))
-        mbarrier.arrive(empty.index(it % STAGES), count=1)
-        it += 1
-        acc = acc * gl.expand_dims(gl.convert_layout(down, rows_layout), 1)
-        _store_tile(acc, ys, y_desc, scale_ptr, bias_ptr, N, off_m, off_n, cols_layout, HAS_BIAS)
-    tma.store_wait(pendings=0)
-
-
-@gluon.jit
 def _flat_kernel(
     x_desc, hi_desc, lo_desc, y_desc, scale_ptr, bias_ptr, M, N,
     HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr,
@@ -186,32 +117,15 @@ def _flat_kernel(
     )  # fmt: skip
 
 
-@gluon.jit
-def _chain_kernel(
-    x_desc, hi_desc, lo_desc, y_desc, scale_ptr, bias_ptr, M, N,
-    HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr,
-):  # fmt: skip
-    """The package's ``_fp16x3_kernel`` with :func:`_chain_consumer` (same producer, ring)."""
-    xs, his, los, ready, empty = ring(x_desc, hi_desc, lo_desc, STAGES)
-    ys = gl.allocate_shared_memory(gl.float32, y_desc.block_type.shape, y_desc.layout)
-    num_k = gl.cdiv(x_desc.shape[1], x_desc.block_type.shape[1])
-    gl.warp_specialize(
-        [(_chain_consumer, (xs, his, los, ready, empty, ys, y_desc, scale_ptr, bias_ptr, M, N, num_k,
-                            HAS_BIAS, GROUP_M, STAGES, num_warps)),
-         (_loader, (x_desc, hi_desc, lo_desc, xs, his, los, ready, empty, M, N, GROUP_M, STAGES))],
-        [1], [24],
-    )  # fmt: skip
-
-
-def launch(x: torch.Tensor, w: fp16x3.Words, config: dict, kernel=_flat_kernel) -> torch.Tensor:
-    """``x [M, K] @ w^T`` (M, K > 0) as the package's ``fp16x3.launch``, through ``kernel``."""
+def launch(x: torch.Tensor, w: fp16x3.Words, config: dict) -> torch.Tensor:
+    """``x [M, K] @ w^T`` (M, K > 0) as the package's ``fp16x3.launch``, through :func:`_flat_kernel`."""
     m, _ = x.shape
     _, n, kp = w.words.shape
     y = torch.empty((m, -(-n // 4) * 4), device=x.device, dtype=torch.float32)
     bm, bn, bk = config["BM"], config["BN"], config["BK"]
     tiles = -(-m // bm) * -(-n // bn)
     with on_device(x.device):
-        kernel[(min(tiles, sm_count(x.device)),)](
+        _flat_kernel[(min(tiles, sm_count(x.device)),)](
             descriptor(tma_ready(x, kp), [bm, bk]), descriptor(w.words[0], [bn, bk]), descriptor(w.words[1], [bn, bk]),
             descriptor(y, [bm, bn]), w.scale, y, m, n,
             HAS_BIAS=False, STAGES=config["STAGES"], GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
@@ -227,10 +141,7 @@ VARIANTS = {
     "flat, GROUP_M 4": (launch, dict(GROUP_M=4)),
     "flat, GROUP_M 16": (launch, dict(GROUP_M=16)),
     "flat, BK 64, 2 stages": (launch, dict(BK=64, STAGES=2)),
-    "chained (ceiling)": (partial(launch, kernel=_chain_kernel), {}),
-    "chained, 3 stages": (partial(launch, kernel=_chain_kernel), dict(STAGES=3)),
-    "chained, 5 stages": (partial(launch, kernel=_chain_kernel), dict(STAGES=5)),
-    "chained, BK 64, 2 stages": (partial(launch, kernel=_chain_kernel), dict(BK=64, STAGES=2)),
+    "package, BK 64, 2 stages": (fp16x3.launch, dict(BK=64, STAGES=2)),
 }
 """Name: (launcher, changes to ``fp16x3.CONFIG``); the first is the reference for the bits."""
 
@@ -241,7 +152,7 @@ def compile_offline() -> None:
     from compile_sm90 import compile_fp16x3, structure
 
     for name, kernel, bk, stages in [("package", fp16x3._fp16x3_kernel, 32, 4), ("flat", _flat_kernel, 32, 4), ("flat", _flat_kernel, 64, 2),
-                                      ("chained", _chain_kernel, 32, 4), ("chained", _chain_kernel, 64, 2)]:
+                                      ("package", fp16x3._fp16x3_kernel, 64, 2)]:
         compiled = compile_fp16x3(kernel, dict(fp16x3.CONFIG, BK=bk, STAGES=stages))
         print(f"{name}, BK={bk}, {stages} stages:", structure(compiled), flush=True)
 
