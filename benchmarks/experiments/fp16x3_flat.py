@@ -198,15 +198,15 @@ def ab(models: list[str], atoms: int, variants: list[str], tuning: bool) -> dict
             cells = [f"cuBLAS FP16 {fp32[0] / row['cublas_fp16_ms'][0]:.1f}/{fp32[1] / row['cublas_fp16_ms'][1]:.1f}x"]
             cells += [f"{name} {fp32[0] / row[name]['ms'][0]:.2f}/{fp32[1] / row[name]['ms'][1]:.2f}x"
                       + ("" if all(row[name]["same_bits"]) else " (other bits)") for name in variants]  # fmt: skip
-            rows = autotune.tuning_rows(n, k)
-            row["tuning"] = {"tuning_rows": rows, "candidates": fp16x3.CANDIDATES, "ms": {}}
-            for label, operands in [("tuning rows", (x[:rows], dy[:rows])), ("all rows", (x, dy))] if tuning else []:
-                row["tuning"]["ms"][label] = [
-                    [do_bench(lambda: fp16x3.launch(a, words, config=c), return_mode="median") for c in fp16x3.CANDIDATES]
-                    for a, words in zip(operands, (forward, backward))
-                ]  # fmt: skip
-            chosen = {label: [min(range(len(t)), key=t.__getitem__) for t in times] for label, times in row["tuning"]["ms"].items()}
             if tuning:
+                rows = autotune.tuning_rows(n, k)
+                row["tuning"] = {"tuning_rows": rows, "candidates": fp16x3.CANDIDATES, "ms": {}}
+                for label, operands in [("tuning rows", (x[:rows], dy[:rows])), ("all rows", (x, dy))]:
+                    row["tuning"]["ms"][label] = [
+                        [do_bench(lambda: fp16x3.launch(a, words, config=c), return_mode="median") for c in fp16x3.CANDIDATES]
+                        for a, words in zip(operands, (forward, backward))
+                    ]  # fmt: skip
+                chosen = {label: [min(range(len(t)), key=t.__getitem__) for t in times] for label, times in row["tuning"]["ms"].items()}
                 cells.append(f"tuning candidate fwd/bwd on {rows} rows {chosen['tuning rows']}, on all {chosen['all rows']}")
             print(f"{model} {layer:26} {m}x{k}x{n}:", "; ".join(cells), flush=True)
             results["shapes"].append(row)
