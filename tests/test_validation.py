@@ -85,9 +85,10 @@ def test_report_from_the_files_of_tests_run_one_by_one(quick_suite, capsys):
 def test_nve_in_worker_processes_gives_the_same_trajectories(quick_suite, tmp_path):
     """--jobs 2 (the quick suite's) runs the precisions in two spawned processes, each with
     its share of the CPU threads; here they run again one after the other, in this process.
-    A different thread count changes the order of CPU reductions, so the trajectories agree within FP32's own noise: the larger of the spread that a 1e-6 Å
-    displacement (the "fp32 noise" run) gives the serial FP32 trajectory, and four units
-    of FP32 rounding of the total energy. The displaced run is one sample of that noise
+    A different thread count changes the order of CPU reductions, so the trajectories
+    agree within FP32's own noise: the larger of the spread that a 1e-6 Å displacement
+    (the "fp32 noise" run) gives the serial FP32 trajectory, and four units of FP32
+    rounding of the total energy. The displaced run is one sample of that noise
     and the reordered one another, so either can be the larger (1.46e-7 against 1.38e-7
     eV/atom in one CI run, at 5.2 eV/atom, whose FP32 rounding unit is 3.1e-7); a worker
     with the wrong model or precision misses by orders of magnitude."""

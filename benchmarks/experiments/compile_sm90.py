@@ -99,5 +99,6 @@ def compile_fp16x3(kernel, config: dict):
     return triton.compile(GluonASTSource(kernel, signature, constexprs=constants), target=TARGET,
                           options=dict(num_warps=config["num_warps"]))  # fmt: skip
 
+
 if __name__ == "__main__":
     main()
