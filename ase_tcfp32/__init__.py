@@ -12,7 +12,7 @@ from .precision import (
     available_precisions,
 )
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "PRECISIONS",

@@ -1,18 +1,17 @@
 """``TCPETCalculator``: an ASE calculator running PET with tensor-core FP32 GEMMs.
 
-Energies, forces and stress come from the metatrain PET module whose Linear layers run
-in the chosen precision (``engine="auto"``, the default, picks how: :func:`choose_engine`),
-evaluated either through metatomic-ase's ``MetatomicCalculator``
-(``engine="metatomic"``: neighbour lists through vesin, forces and strain-derivative
-stress by autograd) or through :mod:`ase_tcfp32.lean` (``engine="lean"`` or
-``"graphs"``: the same model on plain tensors with static shapes, for MD).
+Energies, forces and stress come from the metatrain PET module whose Linear layers run in
+the chosen precision (:func:`ase_tcfp32._prepare.prepare_model`), evaluated by an engine
+(:mod:`ase_tcfp32._engines`: ``engine="auto"``, the default, picks the fastest for the
+device and system). The calculator checks input, converts units and conventions to ASE's
+and reports what it chose; every evaluation, of one structure or many, is one call of the
+engine's ``compute``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import time
 from typing import Iterator
 
@@ -24,16 +23,13 @@ from ase.data import chemical_symbols
 from ase.stress import full_3x3_to_voigt_6_stress
 
 from . import watchdog
-from .attention import on_tensor_cores, swap_attention_blocks
-from .compilation import compile_backend
-from .folded import swap_cartesian_transformers
-from .fused import swap_backends, swap_feed_forwards
-from .packed import unsupported_reason as packed_problem
-from .layers import EMULATED, swap_linear_layers
-from .lean import LeanPET
-from .models import import_dependencies, load_pet, recompute_gnn_layers
-from .progress import enabled as show_progress
-from .progress import shown
+from ._engines import check_engine, make_engine
+from ._memory import out_of_memory_message
+from ._prepare import prepare_model
+from ._progress import enabled as show_progress
+from ._progress import shown
+from .layers import EMULATED
+from .models import load_pet
 from .precision import check_name, ieee_fp32_matmul, resolve_precision, support, triton_build_problem
 from .tcmodel import tensor_core
 
@@ -64,65 +60,6 @@ def _check_emulation(emulate: str, precision: str, device) -> None:
         raise ValueError(f"emulate={emulate!r} runs the tensor-core model on CPU; pass device='cpu' or None")
 
 
-def out_of_memory_message(pet: torch.nn.Module, atoms: int, memory: int, gpu: str, low_memory: bool) -> str:
-    """What to say when ``atoms`` atoms of metatrain ``pet`` did not fit in the ``memory``
-    bytes of GPU ``gpu``: the estimated largest system, and what else to try. The estimate
-    scales the largest water boxes measured on an H200 (139 GB, eager, docs/performance.md:
-    PET-S shape, d_pet 256 with 3 GNN x 1 attention layers, 49,152 atoms and 82,944 with
-    ``low_memory``; PET-M shape, d_pet 384 with 3 x 2, 15,360 and 32,256) by width x depth."""
-    backend = pet.backend
-    attention = pet.hypers.get("num_attention_layers", 1)
-    per_atom = 139e9 / 49_152 * (backend.d_pet / 256) * len(backend.gnn_layers) / 3 * attention
-    fits = int(memory / per_atom)
-    hint = ("" if low_memory else
-            f" With low_memory=True (each GNN layer recomputed in the backward pass) about {int(fits * 1.7):,} would.")  # fmt: skip
-    return (f"{atoms:,} atoms did not fit in the {memory / 1e9:.0f} GB of {gpu} with this model (d_pet "
-            f"{backend.d_pet}, {len(backend.gnn_layers)} GNN layers). Estimated largest system here: about {fits:,} "
-            f"atoms (from the water boxes measured on an H200, docs/performance.md).{hint} Smaller systems, or "
-            "several GPUs through i-PI for many structures (docs/scaling.md), are the other ways out.")  # fmt: skip
-
-
-ENGINES = ("auto", "metatomic", "lean", "graphs")
-"""How the calculator evaluates the model (see :class:`TCPETCalculator`)."""
-
-GRAPH_ATOMS = 8192
-"""``engine="auto"`` replays CUDA graphs for systems (or batches) up to this many atoms.
-Small systems are bound by kernel launches, which a graph removes (192 water atoms, PET-S
-shape, fp16x3 on an H200: 8.5 ms per MD step against 68.9 ms through metatomic-ase; 32 beads
-of it, 6,144 atoms, through i-PI: 137.0 ms per step against 154.9 ms with plain launches);
-large ones keep the GPU busy anyway (not measured between 6,144 and 17,280 atoms), and a
-graph would only hold its memory."""
-
-SMALL_SKIN, LARGE_SKIN = 2.0, 0.5
-"""``engine="auto"``'s Verlet skin (Å) for systems whose step replays a CUDA graph (up to
-:data:`GRAPH_ATOMS` atoms) and for the others (larger systems, and every system on a CPU):
-a graph's step costs its kernel count, not its pairs, and a wide skin rebuilds the list
-rarely; elsewhere every candidate pair costs work (17,280 water atoms: 2 Å holds ~2x the
-pairs of the cutoff sphere; 192 atoms on a CPU, lean engine, interleaved runs: 0.5 Å a few
-percent faster per MD step than 2 Å with the demo model and PET-S, rebuilds included)."""
-
-
-def choose_engine(pet: torch.nn.Module, device: torch.device, low_memory: bool) -> tuple[str, str]:
-    """What ``engine="auto"`` runs for this model on ``device``, and why, in words."""
-    from .lean import unsupported_reason
-
-    reason = unsupported_reason(pet)
-    if reason is not None:
-        return "metatomic", f"the lean engine cannot evaluate this model ({reason})"
-    return choose_engine_for(device, low_memory)
-
-
-def choose_engine_for(device: torch.device | str, low_memory: bool = False) -> tuple[str, str]:
-    """:func:`choose_engine` for a model the lean engine can evaluate (PET-MAD and the uPETs)."""
-    if torch.device(device).type != "cuda":
-        return "lean", (f"the model on plain tensors, neighbour skin {LARGE_SKIN} Å: on a CPU as fast per step as "
-                        "metatomic-ase and about twice as quick to its first step (docs/usage.md)")  # fmt: skip
-    if low_memory:
-        return "lean", f"low_memory=True: recomputed layers, no CUDA graphs, neighbour skin {LARGE_SKIN} Å"
-    return "lean", (f"CUDA graphs for systems up to {GRAPH_ATOMS} atoms (neighbour skin {SMALL_SKIN} Å), "
-                    f"plain launches above (skin {LARGE_SKIN} Å)")  # fmt: skip
-
-
 class TCPETCalculator(Calculator):
     """PET / PET-MAD in ASE with FP32-accurate tensor-core matrix products.
 
@@ -137,7 +74,7 @@ class TCPETCalculator(Calculator):
     :param emulate: a GPU name (``"A100"``, ``"H100"``, ``"B200"``... see
         :mod:`ase_tcfp32.tcmodel`): run every Linear layer on CPU through the bit-accurate
         model of that GPU's tensor cores (slow; for previews of small systems).
-    :param neighbor_skin: Verlet skin in Å of the cached neighbour lists (default: 2 Å, or
+    :param neighbor_skin: Verlet skin in Å of the cached neighbor lists (default: 2 Å, or
         with ``engine="auto"`` 2 Å for systems that replay CUDA graphs and 0.5 Å for the
         others: larger systems, ``low_memory=True``, CPUs).
     :param compile: run PET's tensor code through ``torch.compile`` (dynamic shapes, so
@@ -148,11 +85,11 @@ class TCPETCalculator(Calculator):
         recompute the rest there (``torch.utils.checkpoint``): much less memory for
         forces on large systems, one extra forward pass of the GNN layers per step.
     :param engine: ``"auto"`` (default: the fastest for the device and system, see
-        :func:`choose_engine`; ``repr(calc)`` says what it picked and why),
+        :func:`ase_tcfp32._engines.choose_engine`; ``repr(calc)`` says what it picked and why),
         ``"metatomic"`` (metatomic-ase's calculator around the model), ``"lean"`` (the
         model on plain tensors: a Verlet list on the device, no per-step host round trips;
-        see :mod:`ase_tcfp32.lean`) or ``"graphs"`` (``"lean"`` recorded as a CUDA graph
-        per neighbour-table size and replayed; CUDA only). All give the same results to
+        see :mod:`ase_tcfp32._lean`) or ``"graphs"`` (``"lean"`` recorded as a CUDA graph
+        per neighbor-table size and replayed; CUDA only). All give the same results to
         FP32 rounding.
     :param progress: show what a first evaluation lasting over 2 s is doing (compiling,
         tuning, recording graphs) on standard error; default ``$ASE_TCFP32_PROGRESS``, else on.
@@ -188,10 +125,6 @@ class TCPETCalculator(Calculator):
         check_name(precision)
         self.progress = show_progress(progress)
         self._evaluations = 0
-        if engine not in ENGINES:
-            raise ValueError(f"unknown engine {engine!r}: use one of {', '.join(ENGINES)}")
-        if engine == "graphs" and low_memory:
-            raise ValueError("low_memory=True is not supported with engine='graphs' (graphs are for small systems)")
         number = isinstance(neighbor_skin, (int, float)) and not isinstance(neighbor_skin, bool)
         if neighbor_skin is not None and not (number and 0 <= neighbor_skin < np.inf):
             raise ValueError(f"neighbor_skin is a distance in Å, 0 or more, not {neighbor_skin!r}")
@@ -203,10 +136,9 @@ class TCPETCalculator(Calculator):
             _check_emulation(emulate, precision, device)
             self.device, self.precision = torch.device("cpu"), precision
             self.backend = f"tcmodel:{tensor_core(emulate).name}"
+        check_engine(engine, self.device, low_memory)
         if compile and self.device.type == "cuda" and (problem := triton_build_problem()) is not None:
             raise RuntimeError(f"compile=True needs Triton, which cannot build its GPU launchers here: {problem}")
-        if engine == "graphs" and self.device.type != "cuda":
-            raise ValueError(f"engine='graphs' records CUDA graphs and needs a CUDA device, not '{self.device}'")
         self.emulate = emulate
         if self.precision == "tf32" and not check_accuracy:
             check_accuracy = 0  # not FP32-accurate by design: nothing to watch (explicit N > 0 is refused)
@@ -216,48 +148,16 @@ class TCPETCalculator(Calculator):
         dtype = next(self.pet.parameters()).dtype
         if self.precision != "fp32" and dtype != torch.float32:
             raise ValueError(f"precision {self.precision!r} needs a float32 model, this one is {dtype}")
-        swap_linear_layers(self.pet, self.precision, emulate=emulate, check_accuracy=self.check_accuracy)
-        tensor_core_attention = emulate is None and on_tensor_cores(self.precision, self.device)
-        swap_attention_blocks(self.pet, tensor_core_attention)
-        swap_feed_forwards(self.pet, tensor_core_attention)  # where the attention is ours, so are the SwiGLU
-        swap_backends(self.pet, tensor_core_attention)  # the message combination
-        swap_cartesian_transformers(self.pet, tensor_core_attention)  # and the edge-token compression
-        self.attention = "tensor cores, TF32x3 (ase_tcfp32.attention)" if tensor_core_attention else "torch SDPA"
-        self.low_memory = low_memory
-        if low_memory:
-            recompute_gnn_layers(self.pet)
-        self.compiled = compile
-        if compile:
-            compile_backend(self.pet.backend)
+        ours = prepare_model(self.pet, self.precision, self.device, emulate=emulate,
+                             check_accuracy=self.check_accuracy, low_memory=low_memory, compile=compile)  # fmt: skip
+        self.attention = "tensor cores, TF32x3 (ase_tcfp32._attention)" if ours else "torch SDPA"
+        self.low_memory, self.compiled = low_memory, compile
         self.atomic_types = frozenset(int(t) for t in self.pet.atomic_types)
         self.cutoff = float(self.pet.cutoff)
-        self.engine, self.engine_reason = engine, "chosen by the caller"
-        if engine == "auto":
-            engine, self.engine_reason = choose_engine(self.pet, self.device, low_memory)
-        self.engine_used = engine
-        replays = self.engine == "auto" and self.device.type == "cuda" and not low_memory
-        pair_bound = self.engine == "auto" and not replays  # a CPU, low_memory: every candidate pair costs work
-        skin = (LARGE_SKIN if pair_bound else SMALL_SKIN) if neighbor_skin is None else neighbor_skin
-        graph_atoms, large_skin = (sys.maxsize if engine == "graphs" else 0), None
-        if replays:
-            graph_atoms, large_skin = GRAPH_ATOMS, (LARGE_SKIN if neighbor_skin is None else neighbor_skin)
-        self._lean, self._metatomic = None, None
-        if engine == "metatomic":
-            import_dependencies(metatomic_ase=True)
-            from metatomic_ase import MetatomicCalculator
-
-            self._metatomic = MetatomicCalculator(
-                self.pet.export().eval(),
-                device=str(self.device),
-                do_gradients_with_energy=False,
-                uncertainty_threshold=None,
-                neighbor_skin=skin,
-            )
-        else:
-            # where the attention is ours and nothing is compiled, PET runs on packed rows (ase_tcfp32.packed)
-            packed = tensor_core_attention and not compile and packed_problem(self.pet) is None
-            self._lean = LeanPET(self.pet, self.device, skin, graph_atoms, large_skin, compile=compile,
-                                 check_every=self.check_accuracy, packed=packed)  # fmt: skip
+        self.engine = engine
+        self._engine, self.engine_used, self.engine_reason = make_engine(
+            self.pet, self.device, engine, neighbor_skin=neighbor_skin, low_memory=low_memory, compile=compile,
+            check_every=self.check_accuracy, packed=ours)  # fmt: skip
         if isinstance(model, torch.nn.Module):
             self.model_name = self.pet.metadata.name or type(model).__name__
         else:
@@ -276,7 +176,7 @@ class TCPETCalculator(Calculator):
     def _repr_html_(self) -> str:
         rows = {"model": self.model_name, "precision": self.precision, "backend": self.backend,
                 "device": str(self.device), "attention": self.attention, "engine": f"{self.engine_used} ({self.engine_reason})",
-                "edge rows": "packed" if self._lean is not None and self._lean.packed else "neighbour table",
+                "edge rows": "packed" if getattr(self._engine, "packed", False) else "neighbor table",
                 "elements": len(self.atomic_types), "cutoff": f"{self.cutoff} Å"}  # fmt: skip
         cells = "".join(f"<tr><th style='text-align:left'>{k}</th><td>{v}</td></tr>" for k, v in rows.items())
         return f"<b>TCPETCalculator</b><table>{cells}</table>"
@@ -285,7 +185,7 @@ class TCPETCalculator(Calculator):
         """Evaluate ``atoms`` once (a copy) and return the seconds it took.
 
         The first evaluation compiles the GPU kernels (and, with ``compile=True``, the
-        model), tunes each layer's GEMM configuration on this GPU (:mod:`ase_tcfp32.kernels.autotune`,
+        model), tunes each layer's GEMM configuration on this GPU (:mod:`ase_tcfp32._kernels.autotune`,
         remembered on disk: later runs skip it) and splits the weights; with
         ``engine="graphs"`` it records the step. Call it before timing or running MD so
         that the first step is not the slow one.
@@ -333,12 +233,12 @@ class TCPETCalculator(Calculator):
             return []
         for atoms in structures:
             self.check_atoms(atoms, ["energy", "forces"])
-        stress = any(atoms.pbc.all() for atoms in structures)
+        return self._compute(structures, ("energy", "energies", "forces", "stress"))
+
+    def _compute(self, structures: list[Atoms], properties) -> list[dict]:
+        """The engine's results for ``structures`` (checked), in ASE's conventions."""
         with self._evaluating(sum(map(len, structures))):
-            if self._lean is not None:
-                results = self._lean.compute(structures, stress)
-            else:
-                results = self._metatomic_batch(structures, stress)
+            results = self._engine.compute(structures, properties)
         for result in results:
             result["free_energy"] = result["energy"]
             if "stress" in result:
@@ -349,7 +249,7 @@ class TCPETCalculator(Calculator):
     def _evaluating(self, atoms: int) -> Iterator[None]:
         """Around every evaluation of ``atoms`` atoms: the model's device current, IEEE FP32
         matmuls, the watchdog's checks read once at the end, the progress line of the first
-        evaluation (:mod:`ase_tcfp32.progress`), and an out-of-memory error that says what fits."""
+        evaluation (:mod:`ase_tcfp32._progress`), and an out-of-memory error that says what fits."""
         self._evaluations += 1
         first = self._evaluations == 1 and self.progress
         otherwise = "compiling GPU kernels on first use" if self.device.type == "cuda" else "evaluating"
@@ -361,23 +261,6 @@ class TCPETCalculator(Calculator):
         except torch.OutOfMemoryError as error:
             raise torch.OutOfMemoryError(self._out_of_memory(atoms)) from error
 
-    def _metatomic_batch(self, structures: list[Atoms], stress: bool) -> list[dict]:
-        """:meth:`evaluate` through metatomic-ase (one model call for the batch)."""
-        periodic = all(atoms.pbc.all() for atoms in structures)
-        out = self._metatomic.compute_energy(structures, compute_forces_and_stresses=True, per_atom=True)
-        results = []
-        for k, atoms in enumerate(structures):
-            result = {"energy": float(out["energy"][k]), "energies": np.asarray(out["energies"][k], float),
-                      "forces": np.asarray(out["forces"][k], float)}  # fmt: skip
-            if stress and periodic:
-                result["stress"] = np.asarray(out["stress"][k], float).reshape(3, 3)
-            results.append(result)
-        if stress and not periodic:  # metatomic-ase gives stress only for all-periodic batches
-            for k, atoms in enumerate(structures):
-                if atoms.pbc.all():
-                    results[k]["stress"] = self._metatomic_batch([atoms], True)[0]["stress"]
-        return results
-
     def _out_of_memory(self, atoms: int) -> str:
         properties = torch.cuda.get_device_properties(self.device)
         return out_of_memory_message(self.pet, atoms, properties.total_memory, properties.name, self.low_memory)
@@ -386,13 +269,6 @@ class TCPETCalculator(Calculator):
         if atoms is not None:
             self.check_atoms(atoms, list(properties))
         super().calculate(atoms, properties, system_changes)
-        # forces come with every call (ASE caches them for the next get_forces);
-        # stress too for 3D-periodic systems, where MetatomicCalculator adds it itself.
-        if self._lean is not None:
-            self.results = self.evaluate([self.atoms])[0]
-            return
-        wanted = ["energy", "forces"] + (["energies"] if "energies" in properties else [])
-        with self._evaluating(len(self.atoms)):
-            self._metatomic.calculate(self.atoms, wanted, system_changes)
-        self.results = dict(self._metatomic.results)
-        self.results["free_energy"] = self.results["energy"]
+        # forces come with every call (ASE caches them for the next get_forces), and stress
+        # with every call for 3D-periodic systems
+        self.results = self._compute([self.atoms], {*properties, "energy", "forces", "stress"})[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .calculator import ENGINES
+from ._engines import ENGINES
 from .models import BUNDLED
 from .precision import PRECISIONS
 
@@ -54,7 +54,7 @@ def _warmup(args) -> None:
     import time
 
     from .calculator import TCPETCalculator
-    from .kernels import autotune
+    from ._kernels import autotune
     from .validation import water_box
     from .validation.common import resolve_model
 
@@ -110,8 +110,8 @@ def _info(args) -> None:
 
     import torch
 
-    from .attention import on_tensor_cores
-    from .calculator import choose_engine_for
+    from ._attention import on_tensor_cores
+    from ._engines import choose_engine_for
     from .models import cached_checkpoints, known_models
     from .precision import auto_precision, available_precisions
 
@@ -130,7 +130,7 @@ def _info(args) -> None:
         print("triton: not installed (GPU kernels unavailable)")
     devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     if torch.cuda.is_available():
-        from .kernels.cublas import version
+        from ._kernels.cublas import version
 
         print(f"CUDA {torch.version.cuda}, cuBLAS {version()}")
     for device in devices:
@@ -151,7 +151,7 @@ def _info(args) -> None:
         accurate = [r.precision for r in rows if r.available and on_tensor_cores(r.precision, device)]
         print(f"  attention: tensor cores (TF32x3) in {', '.join(accurate)}; torch SDPA otherwise" if accurate else
               "  attention: torch SDPA")  # fmt: skip
-    from .kernels import autotune
+    from ._kernels import autotune
 
     state = "on" if autotune.enabled() else "off (ASE_TCFP32_AUTOTUNE=0)"
     print(f"\nGEMM tuning: {state}, {len(autotune.known())} tuned shapes in {autotune.cache_file()}")

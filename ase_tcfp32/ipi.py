@@ -265,7 +265,7 @@ class TCPETDriver(Dummy_driver):
         model and precision, without CUDA graphs (``engine="lean"``, or the metatomic engine
         if the full batches use it) and a 0.5 Å skin unless one was given."""
         if self._short is None:
-            from ase_tcfp32.calculator import LARGE_SKIN
+            from ase_tcfp32._engines import LARGE_SKIN
 
             engine = "metatomic" if self.calculators[0].engine_used == "metatomic" else "lean"
             skin = LARGE_SKIN if self._skin is None else self._skin

@@ -19,7 +19,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from . import watchdog
-from .kernels import get_backend
+from ._backends import get_backend
 from .precision import PRECISIONS, check_name
 
 EMULATED = tuple(p for p in PRECISIONS if p != "fp32")

@@ -10,7 +10,6 @@ is used, and without one the error says how to pass a local checkpoint.
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import importlib.util
 import os
@@ -83,7 +82,7 @@ def import_dependencies(metatomic_ase: bool = False) -> None:
     """Import the metatensor/metatomic/metatrain stack (and, when asked, metatomic-ase)
     without the notes it prints while importing: torch.jit deprecation warnings from
     metatensor's TorchScript code, and NVIDIA Warp's start-up banner (and, on machines
-    without CUDA, its "driver not found" warning) through metatomic-ase's neighbour-list
+    without CUDA, its "driver not found" warning) through metatomic-ase's neighbor-list
     dependency. Imports that are already done cost nothing; the user's own warnings are
     untouched (the filter holds only for these imports)."""
     names = ["metatensor.torch", "metatomic.torch", "metatrain.pet", "metatrain.utils.io"]
@@ -281,124 +280,3 @@ def load_pet(model: str | os.PathLike | torch.nn.Module, version: str = "latest"
     for parameter in pet.parameters():
         parameter.requires_grad_(False)
     return pet.eval()
-
-
-class Recomputed(torch.nn.Module):
-    """``module`` whose intermediate activations are recomputed during the backward pass
-    instead of stored (``torch.utils.checkpoint``, non-reentrant)."""
-
-    def __init__(self, module: torch.nn.Module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args):
-        if not torch.is_grad_enabled():
-            return self.module(*args)
-        return torch.utils.checkpoint.checkpoint(self.module, *args, use_reentrant=False)
-
-
-def lazy_subclass(module: str, name: str, base: str, **attributes) -> tuple:
-    """``(classes, getattr)`` for the subclass ``name`` of metatrain's class ``base`` (a dotted
-    path) with ``attributes``, defined in ``module``. ``classes()`` imports ``base`` and makes
-    the subclass on first use (importing metatrain takes seconds, and ``import ase_tcfp32``
-    must not), then returns ``(base class, subclass)``; ``getattr`` is ``module``'s
-    ``__getattr__``, which finds the subclass by name, so that pickling a swapped model works."""
-
-    @functools.cache
-    def classes() -> tuple[type, type]:
-        path, _, base_name = base.rpartition(".")
-        plain = getattr(importlib.import_module(path), base_name)
-        return plain, type(name, (plain,), {"__module__": module, **attributes})
-
-    def module_getattr(attribute: str):
-        if attribute == name:
-            return classes()[1]
-        raise AttributeError(f"module {module!r} has no attribute {attribute!r}")
-
-    return classes, module_getattr
-
-
-def swap_class(module: torch.nn.Module, plain: type, ours: type, enable: bool, takes=lambda child: True) -> list[str]:
-    """Give every submodule of class ``plain`` (or ``ours``) in ``module`` that ``takes``
-    accepts the class ``ours``, a subclass that overrides some of its methods (``enable=False``:
-    back to ``plain``); return their names. Parameters, buffers and state_dict keys stay as they
-    are; a subclass of ``plain`` other than ``ours`` is left alone."""
-    changed = []
-    for name, child in module.named_modules():
-        if type(child) in (plain, ours) and takes(child):
-            child.__class__ = ours if enable else plain
-            changed.append(name)
-    return changed
-
-
-def recompute_gnn_layers(pet: torch.nn.Module) -> None:
-    """Store only each GNN layer's inputs for the forces' backward pass, not its attention
-    and feed-forward activations (which dominate memory on large systems); the layer runs
-    its forward again during the backward. Results are unchanged. In place."""
-    layers = pet.backend.gnn_layers
-    for i, layer in enumerate(layers):
-        if not isinstance(layer, Recomputed):
-            layers[i] = Recomputed(layer)
-
-
-PET_MAD_SHAPES = {
-    # name: (d_pet, GNN layers, attention layers, cutoff Å, adaptive neighbours)
-    "tiny": (16, 2, 1, 5.0, 16),
-    "xs": (128, 2, 1, 7.5, 16),
-    "s": (256, 3, 1, 8.0, 24),
-    "m": (384, 3, 2, 8.5, 32),
-}
-"""PET-MAD v1.6 sizes (upet's model table) plus a tiny one for tests on CPU."""
-
-
-def random_checkpoint(shape: str = "tiny", seed: int = 0) -> Path:
-    """A saved :func:`random_pet` checkpoint in the temporary folder (made once)."""
-    import tempfile
-
-    path = Path(tempfile.gettempdir()) / f"ase-tcfp32-random-{shape}-{seed}.ckpt"
-    if not path.exists():
-        torch.save(random_pet(shape, seed=seed).get_checkpoint(), path)
-    return path
-
-
-def random_pet(shape: str = "tiny", *, seed: int = 0, atomic_types=tuple(range(1, 103))) -> torch.nn.Module:
-    """A metatrain PET with random weights and the PET-MAD architecture rule.
-
-    d_node = 4 d_pet, d_feedforward = 2 d_pet, d_head = d_pet, 8 heads (4 for tiny),
-    RMSNorm, SwiGLU, PreLN, feedforward featurizer, Bump cutoff, and PET-MAD's three
-    heads (energy, non-conservative force and stress). For tests and benchmarks of
-    shapes and speed: its energies are not physical.
-    """
-    import_dependencies()
-    from metatrain.pet import PET
-    from metatrain.utils.architectures import get_default_hypers
-    from metatrain.utils.data import DatasetInfo
-    from metatrain.utils.data.target_info import get_energy_target_info, get_generic_target_info
-
-    d_pet, gnn, attention, cutoff, neighbours = PET_MAD_SHAPES[shape]
-    hypers = get_default_hypers("pet")["model"]
-    hypers.update(
-        d_pet=d_pet, d_node=4 * d_pet, d_head=d_pet, d_feedforward=2 * d_pet,
-        num_heads=4 if shape == "tiny" else 8, num_gnn_layers=gnn,
-        num_attention_layers=attention, cutoff=cutoff, num_neighbors_adaptive=neighbours,
-        cutoff_function="Bump", cutoff_width=0.5, normalization="RMSNorm",
-        activation="SwiGLU", transformer_type="PreLN", featurizer_type="feedforward",
-    )  # fmt: skip
-    targets = {
-        "energy": get_energy_target_info("energy", {"quantity": "energy", "unit": "eV"}),
-        "non_conservative_force": get_generic_target_info(
-            "non_conservative_force",
-            {"quantity": "force", "unit": "eV/A", "type": {"cartesian": {"rank": 1}},
-             "num_subtargets": 1, "sample_kind": "atom"},
-        ),
-        "non_conservative_stress": get_generic_target_info(
-            "non_conservative_stress",
-            {"quantity": "pressure", "unit": "eV/A^3", "type": {"cartesian": {"rank": 2}},
-             "num_subtargets": 1, "sample_kind": "system"},
-        ),
-    }  # fmt: skip
-    torch.manual_seed(seed)
-    info = DatasetInfo(length_unit="Angstrom", atomic_types=list(atomic_types), targets=targets)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="PET assumes that Cartesian tensors")
-        return PET(hypers, info)

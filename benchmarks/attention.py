@@ -2,7 +2,7 @@
 
     python benchmarks/attention.py [--models s,m] [--atoms 192,17280] [--configs default] [--out results.json]
 
-For the PET-MAD-S / -M attention shapes (8 heads of d_pet / 8; T = neighbours + 1 tokens
+For the PET-MAD-S / -M attention shapes (8 heads of d_pet / 8; T = neighbors + 1 tokens
 of water at 1 g/cm³, from ``gemm.PAD_WIDTH``; the mask is the log of per-key cutoff
 weights, repeated over the query rows, padding keys at PET's clamp 1e-15) it times, in
 the same run, the forward and the forward + backward (gradients of the tokens' q, k, v
@@ -13,9 +13,9 @@ one (atom, head) output, and normwise relative errors of the gradients.
 ``--configs`` adds launch configurations of our kernel to try (``BLOCK:warps:stages``,
 comma-separated; ``default`` is the one the package picks) and ``packed``: our kernels on
 the sequences the lean engine gives them (``tc_attention_packed``: each atom's real tokens
-only, as many as PET-MAD's cutoffs keep in water at 1 g/cm³, the centre token in its own
+only, as many as PET-MAD's cutoffs keep in water at 1 g/cm³, the center token in its own
 tensor, a bias per key), errors against FP64 of the packed form (no padding keys, where
-SDPA's weigh 1e-15). SDPA runs on metatrain's table, padded to the most neighbours.
+SDPA's weigh 1e-15). SDPA runs on metatrain's table, padded to the most neighbors.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ import triton
 from gemm import PAD_WIDTH
 from triton.testing import do_bench
 
-from ase_tcfp32.attention import packed_attention_in_torch, tc_attention, tc_attention_packed
-from ase_tcfp32.kernels import attention as kernels
-from ase_tcfp32.lean import MARGIN, LeanPET
-from ase_tcfp32.models import random_pet
+from ase_tcfp32._attention import packed_attention_in_torch, tc_attention, tc_attention_packed
+from ase_tcfp32._kernels import attention as kernels
+from ase_tcfp32._lean import MARGIN, LeanPET
+from ase_tcfp32.testing import random_pet
 from ase_tcfp32.validation import water_box
 from ase_tcfp32.validation.common import environment
 
@@ -116,17 +116,17 @@ def measure(size: str, atoms: int, name: str, function, config: dict | None) -> 
 
 
 def water_counts(size: str, atoms: int) -> torch.Tensor:
-    """The neighbours [atoms] that PET-MAD-S / -M keep for each atom of water at 1 g/cm³
-    (:meth:`LeanPET.neighbour_counts` with random weights of the shape: the counts depend
+    """The neighbors [atoms] that PET-MAD-S / -M keep for each atom of water at 1 g/cm³
+    (:meth:`LeanPET.neighbor_counts` with random weights of the shape: the counts depend
     on its cutoff hypers only)."""
     lean = LeanPET(random_pet(size), torch.device("cuda"), packed=True)
-    return lean.neighbour_counts([water_box(atoms // 3)])
+    return lean.neighbor_counts([water_box(atoms // 3)])
 
 
 def measure_packed(size: str, atoms: int) -> list[dict]:
     """``tc_attention_packed`` on the sequences of water (:func:`water_counts`: each atom's
-    real tokens only, the centre token in its own tensor, a bias per key), random inputs as
-    :func:`inputs`; ``fit`` is :func:`ase_tcfp32.kernels.attention.packed_blocks`, which the
+    real tokens only, the center token in its own tensor, a bias per key), random inputs as
+    :func:`inputs`; ``fit`` is :func:`ase_tcfp32._kernels.attention.packed_blocks`, which the
     forward times include."""
     counts, width = water_counts(size, atoms), D_PET[size]
     tokens, scale = int(counts.max()) + 1 + MARGIN, 1 / (width // HEADS) ** 0.5  # tokens: as the lean engine tiles them
@@ -156,7 +156,7 @@ def measure_packed(size: str, atoms: int) -> list[dict]:
     at = torch.where(real, first[:n, None] + slot, 0)
 
     def by_sequence(edge: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
-        """[n, T, C]: each atom's tokens, centre first, zeros past its last."""
+        """[n, T, C]: each atom's tokens, center first, zeros past its last."""
         return torch.cat([node[:, None], torch.where(real[..., None], edge[at], 0)], 1)
 
     found = {}
@@ -171,7 +171,7 @@ def measure_packed(size: str, atoms: int) -> list[dict]:
     rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
     used = int((blocks.table[:, 1] > 0).sum())
     row = {"model": size, "atoms": atoms, "tokens": tokens, "kernel": "tc_attention_packed", "config": "packed",
-           "neighbours": {"min": int(counts.min()), "mean": counts.double().mean().item(), "max": int(counts.max())},
+           "neighbors": {"min": int(counts.min()), "mean": counts.double().mean().item(), "max": int(counts.max())},
            "blocks": used, "atoms_per_block": atoms / used, "fit_ms": fit_ms,
            "error": head_errors.max().item(), "error_grad_qkv": rel(grad_qkv, exact_qkv), "error_grad_mask": rel(grad_bias, exact_bias)}  # fmt: skip
     return [dict(row, **{"pass": "fwd", "ms": forward_ms}), dict(row, **{"pass": "fwd+bwd", "ms": both_ms})]

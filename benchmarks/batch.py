@@ -1,4 +1,4 @@
-"""Many structures in one call: ms per ``evaluate`` and per neighbour-list rebuild.
+"""Many structures in one call: ms per ``evaluate`` and per neighbor-list rebuild.
 
     python benchmarks/batch.py [--model s] [--copies 32] [--molecules 64] [--configs default,fp32,skin0.5]
                                [--calls 20] [--parts] [--out FILE.json]
@@ -9,7 +9,7 @@ configuration (PET-MAD-shaped model with random weights; speed only). Reported p
 configuration: the median ms per batched call (positions moved by 1e-4 Å between calls, so
 no list is rebuilt), the median ms per call of one copy alone, how many times the batch's
 throughput is that of one copy at a time, the speed-up against FP32's defaults in the same
-run, and the ms of one neighbour-list rebuild of the batch (``LeanPET._update_pairs``, timed
+run, and the ms of one neighbor-list rebuild of the batch (``LeanPET._update_pairs``, timed
 alone, median of 3). ``--parts`` also times ``lean.build_pairs`` alone (the pair searches
 and the list's assembly, without the copies into the recorded graph's buffers).
 """
@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from ase_tcfp32 import TCPETCalculator
-from ase_tcfp32.lean import Structures, build_pairs
-from ase_tcfp32.models import random_checkpoint
+from ase_tcfp32._neighbors import Structures, build_pairs
+from ase_tcfp32.testing import random_checkpoint
 from ase_tcfp32.validation import water_box
 from ase_tcfp32.validation.common import environment
 
@@ -69,7 +69,7 @@ def measure(model, copies: list, kwargs: dict, calls: int, parts: bool) -> dict:
     first = time.perf_counter() - start
     calc.evaluate(moved(copies))
     batch_ms = _timed(lambda: calc.evaluate(moved(copies)), calls)
-    lean = calc._lean
+    lean = calc._engine
     row = {"first_s": first, "batch_ms": batch_ms, "engine": calc.engine_used, "graphs": lean.cuda_graphs,
            "skin": lean.skin, "table_width": lean.width, "pairs": lean.pairs.count}  # fmt: skip
     row["rebuild_ms"] = _timed(lambda: lean._update_pairs(Structures.of(copies)), 3)

@@ -5,7 +5,7 @@ and FP32's defaults, per MD step and to the first step, in fresh processes.
 
 For each system (PET-MAD-shaped model with random weights : water molecules) and each
 configuration, a fresh Python process builds the calculator and runs ASE velocity Verlet
-(neighbour-list updates included). Each configuration runs twice: first with empty cache
+(neighbor-list updates included). Each configuration runs twice: first with empty cache
 folders ("cold": ``ASE_TCFP32_CACHE``, ``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``
 all new, as on a fresh machine), then again with the caches the first run left ("warm": a
 second process on the same machine). Python's bytecode cache is on in both, as after a
@@ -59,9 +59,9 @@ def child(shape: str, molecules: int, kwargs: dict, steps: int) -> dict:
     from ase.units import fs
 
     from ase_tcfp32 import TCPETCalculator
-    from ase_tcfp32.models import random_checkpoint
+    from ase_tcfp32.testing import random_checkpoint
     from ase_tcfp32.validation import water_box
-    from ase_tcfp32.validation.common import md_step_times
+    from _timing import md_step_times
 
     imports = time.perf_counter() - start
     model = random_checkpoint(shape)

@@ -1,5 +1,5 @@
 """PET's fused stages against metatrain's eager expressions: the SwiGLU
-(``ase_tcfp32.fused.swiglu``) and the message combination (``combine_messages``).
+(``ase_tcfp32._fused.swiglu``) and the message combination (``combine_messages``).
 
     python benchmarks/fused.py [--models s,m] [--atoms 192,17280] [--out results.json]
 
@@ -12,7 +12,7 @@ gradient).
 
 For the message combination, ``LayerNorm(cat(o, o[reverse]))`` over atoms x W slots of
 d_pet features with a random involution as ``reverse`` (scattered rows: no better
-locality than a real neighbour list), it times metatrain's expression (gather, ``cat``,
+locality than a real neighbor list), it times metatrain's expression (gather, ``cat``,
 ``layer_norm``) against the kernels, and reports the largest errors against FP64 (2^-24
 times the output's scale).
 """
@@ -26,7 +26,7 @@ import torch
 from gemm import PAD_WIDTH
 from triton.testing import do_bench
 
-from ase_tcfp32.fused import combine_messages, swiglu
+from ase_tcfp32._fused import combine_messages, swiglu
 from ase_tcfp32.validation.common import environment
 
 D_PET = {"s": 256, "m": 384}

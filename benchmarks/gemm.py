@@ -1,14 +1,13 @@
 """GEMM speed and accuracy on PET shapes: cuBLAS FP32 / TF32 against our kernels.
 
     python benchmarks/gemm.py [--models s,m] [--atoms 192,17280] [--kernels tf32,tf32x3,fp16x3,bf16x9]
-                              [--gluon] [--out results.json]
+                              [--out results.json]
     python benchmarks/gemm.py --markdown results.json    # the tables of docs/performance.md
 
 For each Linear of PET-MAD-S / -M (shapes from the PET-MAD hyperparameters, M = atoms x
-padded neighbours or atoms x (neighbours + 1), water at 1 g/cm³) it times the forward
+padded neighbors or atoms x (neighbors + 1), water at 1 g/cm³) it times the forward
 y = x W^T + b and the force backward dX = dY W with cuBLAS FP32 (IEEE), cuBLAS TF32 and
-each of our kernels (Triton; fp16x3 and, with ``--gluon``, the Gluon tf32x3 kernel on
-Hopper), in the same run, and prints speed-ups against cuBLAS FP32 and relative
+each of our kernels (Triton; the Gluon fp16x3 kernel on Hopper), in the same run, and prints speed-ups against cuBLAS FP32 and relative
 Frobenius errors against FP64 (first 16384 rows). Our backends send GEMMs too small to
 fill the GPU to cuBLAS FP32, as the calculator does.
 """
@@ -21,12 +20,12 @@ import json
 import torch
 from triton.testing import do_bench
 
-from ase_tcfp32.kernels.cublas import version as cublas_version
-from ase_tcfp32.kernels.triton_gemm import TritonBackend
+from ase_tcfp32._kernels.cublas import version as cublas_version
+from ase_tcfp32._kernels.triton_gemm import TritonBackend
 from ase_tcfp32.validation.common import environment as validation_environment
 
 PAD_WIDTH = {("s", 192): 38, ("s", 17280): 39, ("m", 192): 49, ("m", 17280): 51}
-"""Padded neighbour width W of water at 1 g/cm³ (cutoff_width_adaptive 1.0)."""
+"""Padded neighbor width W of water at 1 g/cm³ (cutoff_width_adaptive 1.0)."""
 
 
 def pet_shapes(size: str, atoms: int) -> list[tuple[str, int, int, int]]:
@@ -150,7 +149,6 @@ def main() -> None:
     parser.add_argument("--models", default="s,m")
     parser.add_argument("--atoms", default="192,17280")
     parser.add_argument("--kernels", default="tf32,tf32x3,bf16x9", help="precisions of our kernels (fp16x3: Hopper)")
-    parser.add_argument("--gluon", action="store_true", help="also the Gluon tf32x3 kernel (Hopper, experimental)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--markdown", default=None, help="print the tables of a results JSON and exit")
     args = parser.parse_args()
@@ -162,15 +160,11 @@ def main() -> None:
     backends = {}
     for precision in args.kernels.split(","):
         if precision == "fp16x3":
-            from ase_tcfp32.kernels.fp16x3 import Fp16x3Backend
+            from ase_tcfp32._kernels.fp16x3 import Fp16x3Backend
 
             backends["gluon_fp16x3"] = Fp16x3Backend()
         else:
             backends[f"triton_{precision}"] = TritonBackend(precision)
-    if args.gluon:
-        from ase_tcfp32.kernels.gluon_tf32x3 import GluonBackend
-
-        backends["gluon_tf32x3"] = GluonBackend()
     results = {"environment": environment(), "shapes": []}
     print(json.dumps(results["environment"]))
     head = f"{'model':5} {'atoms':>6} {'layer':26} {'M x K x N':>22} {'fp32 ms':>8}"

@@ -9,7 +9,7 @@ driver process (``ase_tcfp32.ipi``) evaluates the forces, one structure per requ
 (``batch_size`` 1) or ``--batches`` structures per request, in each precision and engine.
 The time per MD step is the median and the mean interval between consecutive lines of
 i-PI's output file after ``--warmup`` steps; the rates per second come from the mean (every
-step counted: neighbour-list rebuilds, and steps that i-PI sends as two padded batches).
+step counted: neighbor-list rebuilds, and steps that i-PI sends as two padded batches).
 Our drivers say at exit how many requests they served and how many ended in repeated
 structures (i-PI's padding), printed against the run's steps.
 ``--large N`` also runs one N-molecule box (1 bead) through i-PI and the same box in ASE in
@@ -127,7 +127,7 @@ def ase_step_ms(model: str, structure, precision: str, steps: int) -> float:
     from ase.units import fs
 
     from ase_tcfp32 import TCPETCalculator
-    from ase_tcfp32.validation.common import md_step_times
+    from _timing import md_step_times
 
     atoms = structure.copy()
     atoms.calc = TCPETCalculator(model, precision=precision)
@@ -152,8 +152,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    from ase_tcfp32.calculator import GRAPH_ATOMS
-    from ase_tcfp32.models import random_checkpoint
+    from ase_tcfp32._engines import GRAPH_ATOMS
+    from ase_tcfp32.testing import random_checkpoint
     from ase_tcfp32.validation import water_box
     from ase_tcfp32.validation.common import environment
 

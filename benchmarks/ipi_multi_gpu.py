@@ -35,7 +35,7 @@ def main() -> None:
 
     import torch
 
-    from ase_tcfp32.models import random_checkpoint
+    from ase_tcfp32.testing import random_checkpoint
     from ase_tcfp32.validation import water_box
     from ase_tcfp32.validation.common import environment
 

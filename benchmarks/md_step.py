@@ -1,4 +1,4 @@
-"""Time per ASE MD step (forces + velocity Verlet + neighbour-list updates) per precision.
+"""Time per ASE MD step (forces + velocity Verlet + neighbor-list updates) per precision.
 
     python benchmarks/md_step.py [--models s,m] [--molecules 64,5760] [--engines metatomic,lean,graphs]
                                  [--compile both] [--low-memory] [--out FILE.json]
@@ -27,25 +27,26 @@ from ase.md.verlet import VelocityVerlet
 from ase.units import fs
 
 from ase_tcfp32 import TCPETCalculator
-from ase_tcfp32.models import random_checkpoint
+from ase_tcfp32.testing import random_checkpoint
 from ase_tcfp32.precision import FP32_ACCURATE
 from ase_tcfp32.validation import water_box
-from ase_tcfp32.validation.common import environment, md_step_times
+from _timing import md_step_times
+from ase_tcfp32.validation.common import environment
 
 
 def time_steps(model, precision: str, atoms, steps: int, compile: bool, engine: str = "metatomic",
                low_memory: bool = False, skin: float = 2.0, warmup: int = 3, table: bool = False) -> dict:  # fmt: skip
     """Median and minimum ms per MD step and peak GPU memory (GB) of one configuration;
     the first call's time (compilation and graph recording included) separately; for the
-    lean engines the neighbour table's final width, its widenings, the pair-list builds and
-    whether PET ran on packed rows (``table``: on the neighbour table, even where the
+    lean engines the neighbor table's final width, its widenings, the pair-list builds and
+    whether PET ran on packed rows (``table``: on the neighbor table, even where the
     calculator packs them)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         calc = TCPETCalculator(model, precision=precision, device="cuda", compile=compile, low_memory=low_memory,
                                engine=engine, neighbor_skin=skin)  # fmt: skip
-    if table and calc._lean is not None:
-        calc._lean.packed = False
+    if table and calc._engine is not None:
+        calc._engine.packed = False
     atoms = atoms.copy()
     atoms.calc = calc
     MaxwellBoltzmannDistribution(atoms, temperature_K=300, rng=np.random.default_rng(0))
@@ -54,9 +55,9 @@ def time_steps(model, precision: str, atoms, steps: int, compile: bool, engine: 
     times = md_step_times(dyn, warmup + steps)
     row = {"ms": 1000 * float(np.median(times[warmup:])), "ms_min": 1000 * float(np.min(times[warmup:])),
            "first_s": times[0], "peak_GB": torch.cuda.max_memory_allocated() / 1e9}  # fmt: skip
-    if calc._lean is not None:  # the lean engines' neighbour table and Verlet list
-        row.update(table_width=calc._lean.width, widenings=calc._lean.widenings, pair_rebuilds=calc._lean.rebuilds,
-                   edge_rows="packed" if calc._lean.packed else "table", packed_rows=calc._lean.rows)  # fmt: skip
+    if calc._engine is not None:  # the lean engines' neighbor table and Verlet list
+        row.update(table_width=calc._engine.width, widenings=calc._engine.widenings, pair_rebuilds=calc._engine.rebuilds,
+                   edge_rows="packed" if calc._engine.packed else "table", packed_rows=calc._engine.rows)  # fmt: skip
     return row
 
 
@@ -86,7 +87,7 @@ def main() -> None:
     parser.add_argument("--low-memory", action="store_true", help="low_memory=True for every row")
     parser.add_argument("--skin", type=float, default=2.0, help="neighbor_skin in Å")
     parser.add_argument("--table", action="store_true",
-                        help="also time the lean engines' FP32-accurate rows on the neighbour table, not packed rows")
+                        help="also time the lean engines' FP32-accurate rows on the neighbor table, not packed rows")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     modes = {"no": [False], "yes": [True], "both": [False, True]}[args.compile]

@@ -21,7 +21,7 @@ import warnings
 import torch
 
 from ase_tcfp32 import TCPETCalculator
-from ase_tcfp32.models import random_checkpoint
+from ase_tcfp32.testing import random_checkpoint
 from ase_tcfp32.validation import water_box
 from ase_tcfp32.validation.common import environment
 

@@ -4,7 +4,7 @@
 
 Velocity Verlet (0.5 fs) of the 192-atom water box with ``TCPETCalculator(model)`` and no
 other argument. Every ``--every`` steps it records the total energy, the GPU memory in use
-and reserved, the Verlet-list rebuilds, neighbour-table widenings and CUDA-graph recordings,
+and reserved, the Verlet-list rebuilds, neighbor-table widenings and CUDA-graph recordings,
 and the wall time; it stops after ``--steps`` steps or ``--seconds`` seconds. Per-step times
 show the accuracy watchdog's due steps (every ``watchdog.CALCULATOR_EVERY``-th, run eagerly
 with every layer checked): their extra time over the median step, divided by the interval,
@@ -49,7 +49,7 @@ def main() -> None:
     sync()
     first_s = time.perf_counter() - start
     times, checked, records = [], [], []
-    every, lean = calc.check_accuracy, calc._lean
+    every, lean = calc.check_accuracy, calc._engine
     start = time.perf_counter()
     while dyn.nsteps < args.steps and time.perf_counter() - start < args.seconds:
         before = lean.evaluations if lean else 0

@@ -14,7 +14,7 @@ import json
 import numpy as np
 import torch
 
-from ase_tcfp32.kernels.triton_gemm import TritonBackend, launch
+from ase_tcfp32._kernels.triton_gemm import TritonBackend, launch
 from ase_tcfp32.precision import support
 from ase_tcfp32.tcmodel import emulated_matmul
 
@@ -23,7 +23,7 @@ def run_kernel(x: np.ndarray, w: np.ndarray, precision: str) -> np.ndarray:
     """``x @ w.T`` by our kernel for ``precision`` on the GPU, whatever the size."""
     x, w = torch.from_numpy(x).cuda(), torch.from_numpy(w).cuda()
     if precision == "fp16x3":
-        from ase_tcfp32.kernels import fp16x3
+        from ase_tcfp32._kernels import fp16x3
 
         return fp16x3.launch(x, fp16x3.split_weight(w)).cpu().numpy()
     return launch(x, TritonBackend(precision).gemm(w)).cpu().numpy()

@@ -20,9 +20,10 @@ from ase.md.verlet import VelocityVerlet
 from ase.units import fs
 
 from ase_tcfp32 import PrecisionWarning, TCPETCalculator, watchdog
-from ase_tcfp32.models import random_checkpoint
+from ase_tcfp32.testing import random_checkpoint
 from ase_tcfp32.validation import water_box
-from ase_tcfp32.validation.common import environment, md_step_times
+from _timing import md_step_times
+from ase_tcfp32.validation.common import environment
 
 
 def steps_ms(model: str, atoms, every: int, steps: int) -> tuple[float, int]:

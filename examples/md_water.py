@@ -8,7 +8,7 @@
 Without --model it uses ``pet-demo-chgnet``, the small PET shipped with the package:
 distilled from CHGNet (r2SCAN) for water, CO/Pt(111) and CoCrFeMnNi, it is a demo model,
 not PET-MAD (accuracy in docs/demo_model.md). Every code path (loading, precision swap,
-neighbour lists, forces, ASE dynamics) is the one PET-MAD takes.
+neighbor lists, forces, ASE dynamics) is the one PET-MAD takes.
 """
 
 import argparse

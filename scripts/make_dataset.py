@@ -131,13 +131,13 @@ def diversity(calc, rng) -> list[Atoms]:
 
 
 def _push_pair(atoms: Atoms, rng, distance: float, prefer: str | None = None) -> Atoms:
-    """Move a random atom and its nearest neighbour symmetrically to ``distance`` Å apart."""
+    """Move a random atom and its nearest neighbor symmetrically to ``distance`` Å apart."""
     candidates = [i for i, s in enumerate(atoms.get_chemical_symbols()) if prefer in (None, s)]
     i = int(rng.choice(candidates))
     d = atoms.get_distances(i, range(len(atoms)), mic=True, vector=True)
     r = np.linalg.norm(d, axis=1)
     r[i] = np.inf
-    if prefer is not None:  # nearest neighbour of the same species when there is one close by
+    if prefer is not None:  # nearest neighbor of the same species when there is one close by
         same = [j for j, s in enumerate(atoms.get_chemical_symbols()) if s == prefer and r[j] < 3.2]
         j = min(same, key=lambda j: r[j]) if same else int(np.argmin(r))
     else:

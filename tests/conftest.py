@@ -10,7 +10,7 @@ import metatrain  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from ase_tcfp32.models import random_pet  # noqa: E402
+from ase_tcfp32.testing import random_pet  # noqa: E402
 from ase_tcfp32.validation import water_box  # noqa: E402
 
 METATRAIN = Path(metatrain.__file__).parent
@@ -79,7 +79,7 @@ def pt_bulk():
 def tuning_cache(tmp_path, monkeypatch) -> Path:
     """The GEMM autotuning cache file, in a fresh folder, with this process's memory of
     tuned configurations forgotten and tuning on."""
-    from ase_tcfp32.kernels import autotune
+    from ase_tcfp32._kernels import autotune
 
     monkeypatch.setenv("ASE_TCFP32_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("ASE_TCFP32_AUTOTUNE", raising=False)

@@ -33,13 +33,13 @@ def fp32_in_order(x, w):
 
 
 def check_combination(device: str) -> None:
-    """``ase_tcfp32.fused.combine_messages`` on ``device`` against FP64 on random
+    """``ase_tcfp32._fused.combine_messages`` on ``device`` against FP64 on random
     involutions (pairs of slots swapped, the rest, like padding, their own reverse): the
     norm to a few roundings of its 2D-term sums, the gradient to those of two rows' LayerNorm
     gradients (its own row's first half, its reverse's second half)."""
     import math
 
-    from ase_tcfp32.fused import combine_messages
+    from ase_tcfp32._fused import combine_messages
 
     g = torch.Generator(device=device).manual_seed(0)
     u = 2.0**-24

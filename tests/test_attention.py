@@ -6,7 +6,7 @@ import pickle
 import pytest
 import torch
 
-from ase_tcfp32.attention import on_tensor_cores, swap_attention_blocks
+from ase_tcfp32._attention import on_tensor_cores, swap_attention_blocks
 
 pytest.importorskip("triton")
 
@@ -18,7 +18,7 @@ def test_only_fp32_accurate_precisions_on_cuda_use_tensor_core_attention():
 
 
 def test_the_swap_keeps_parameters_and_state_dict_and_survives_copies(tiny_ckpt):
-    from ase_tcfp32.attention import TCAttentionBlock
+    from ase_tcfp32._attention import TCAttentionBlock
     from ase_tcfp32.models import load_pet
 
     pet = load_pet(tiny_ckpt)
@@ -43,14 +43,14 @@ def test_a_calculator_on_cpu_keeps_torch_sdpa(tiny_ckpt):
 
 
 def test_tc_attention_refuses_other_dtypes():
-    from ase_tcfp32.attention import tc_attention
+    from ase_tcfp32._attention import tc_attention
 
     with pytest.raises(TypeError, match="float32"):
         tc_attention(torch.zeros(2, 3, 48, dtype=torch.float64), torch.zeros(2, 3, 3, dtype=torch.float64), 2, 1.0)
 
 
 def test_the_kernels_refuse_sequences_longer_than_they_take_before_launching():
-    from ase_tcfp32.kernels import attention
+    from ase_tcfp32._kernels import attention
 
     assert attention.max_tokens(32) == 128 and attention.max_tokens(48) == 64 and attention.max_tokens(80) == 0
     with pytest.raises(ValueError, match="at most 64 tokens with heads of 48, not 65"):

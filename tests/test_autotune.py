@@ -1,5 +1,5 @@
 """Tuned launch configurations: chosen once, remembered in memory and on disk
-(``ase_tcfp32.kernels.autotune``), and the calculator's warm-up. The kernels themselves
+(``ase_tcfp32._kernels.autotune``), and the calculator's warm-up. The kernels themselves
 under every candidate are checked bit for bit in test_gpu.py."""
 
 import json
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ase_tcfp32 import TCPETCalculator
-from ase_tcfp32.kernels import autotune
+from ase_tcfp32._kernels import autotune
 
 CANDIDATES = [{"stages": 3}, {"stages": 4}, {"stages": 6}]
 TIMES = {3: 2.0, 4: 1.0, 6: 1.5}  # ms per candidate, as a GPU would measure them
@@ -110,7 +110,7 @@ def test_warm_up_evaluates_a_copy_and_the_next_call_agrees(tiny_ckpt, water):
 TUNER = """
 import signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as at a terminal, even if the launcher ignores it
-from ase_tcfp32.kernels import autotune
+from ase_tcfp32._kernels import autotune
 key, pause = sys.argv[1], float(sys.argv[2])
 def measure(config):
     print("measuring", flush=True)
@@ -152,14 +152,14 @@ def test_a_tuned_entry_is_keyed_by_gpu_software_and_shape(monkeypatch):
     no process ever reuses an entry tuned for something else."""
     import torch
 
-    import ase_tcfp32
+    import ase_tcfp32._version
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     h200 = autotune.device_key(torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     h100 = autotune.device_key(torch.device("cuda"))
-    monkeypatch.setattr(ase_tcfp32, "__version__", "0.2.0")
+    monkeypatch.setattr(ase_tcfp32._version, "__version__", "0.2.0")
     newer = autotune.device_key(torch.device("cuda"))
     assert len({h200, h100, newer}) == 3 and "triton" in h200
     keys = set()
@@ -180,7 +180,7 @@ def test_tritons_installation_hash_is_read_back_and_never_taken_from_another_ins
     process reads the kept value, a value kept for other files is never used, and a damaged
     file is replaced by the computed one."""
     cache = pytest.importorskip("triton.runtime.cache")
-    from ase_tcfp32.kernels.context import remember_triton_key
+    from ase_tcfp32._kernels.context import remember_triton_key
 
     monkeypatch.setenv("ASE_TCFP32_CACHE", str(tmp_path))
     monkeypatch.setattr(cache, "triton_key", cache.triton_key)  # restored after the test

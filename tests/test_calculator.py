@@ -15,7 +15,7 @@ from metatomic_ase import MetatomicCalculator
 from metatrain.utils.io import load_model
 
 from ase_tcfp32 import TCPETCalculator
-from ase_tcfp32.models import random_pet
+from ase_tcfp32.testing import random_pet
 
 
 def compare_with_metatomic(path, atoms):
@@ -285,8 +285,8 @@ def test_out_of_memory_message_says_what_fits():
     """The estimate reproduces the measured largest boxes of the H200 (PET-S 49,152 and
     PET-M 15,360 atoms in 139 GB) to 10%, and suggests low_memory unless it is on."""
 
-    from ase_tcfp32.calculator import out_of_memory_message
-    from ase_tcfp32.models import random_pet
+    from ase_tcfp32._memory import out_of_memory_message
+    from ase_tcfp32.testing import random_pet
 
     for shape, measured in (("s", 49_152), ("m", 15_360)):
         message = out_of_memory_message(random_pet(shape), 60_000, int(139e9), "NVIDIA H200", low_memory=False)
@@ -300,7 +300,7 @@ def test_a_long_first_evaluation_says_what_it_is_doing(tiny_ckpt, water, monkeyp
     """Past progress.DELAY seconds the first evaluation shows a status line on stderr (here
     with the delay at 0 and compile=True, whose first call compiles); progress=False and
     later evaluations show none."""
-    from ase_tcfp32 import progress
+    from ase_tcfp32 import _progress as progress
 
     monkeypatch.setattr(progress, "DELAY", 0.0)
     water.calc = TCPETCalculator(tiny_ckpt, device="cpu", precision="fp32", compile=True)
@@ -323,9 +323,9 @@ def test_a_long_first_evaluation_says_what_it_is_doing(tiny_ckpt, water, monkeyp
 def test_auto_gives_a_cpu_the_small_skin_and_explicit_skins_win(tiny_ckpt):
     """No CUDA graph replays on a CPU, so every candidate pair costs work: engine='auto'
     takes the 0.5 Å skin there; an explicit skin or engine keeps its own."""
-    from ase_tcfp32.calculator import LARGE_SKIN, SMALL_SKIN
+    from ase_tcfp32._engines import LARGE_SKIN, SMALL_SKIN
 
-    assert TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu")._lean.skins == (LARGE_SKIN, LARGE_SKIN)
-    assert TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", neighbor_skin=1.5)._lean.skins == (1.5, 1.5)
-    assert TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine="lean")._lean.skins == (SMALL_SKIN, SMALL_SKIN)
+    assert TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu")._engine.skins == (LARGE_SKIN, LARGE_SKIN)
+    assert TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", neighbor_skin=1.5)._engine.skins == (1.5, 1.5)
+    assert TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine="lean")._engine.skins == (SMALL_SKIN, SMALL_SKIN)
     assert f"skin {LARGE_SKIN} Å" in repr(TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu"))

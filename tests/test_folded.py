@@ -7,17 +7,18 @@ import numpy as np
 import pytest
 import torch
 
-from ase_tcfp32.folded import folded, swap_cartesian_transformers
+from ase_tcfp32._folded import folded, swap_cartesian_transformers
 from ase_tcfp32.layers import TCLinear, swap_linear_layers
-from ase_tcfp32.lean import LeanPET
+from ase_tcfp32._engines import PROPERTIES
+from ase_tcfp32._lean import LeanPET
 from ase_tcfp32.models import load_pet
 
 
 def results_before_and_after_the_swap(pet, atoms) -> tuple[dict, dict]:
     lean = LeanPET(pet, torch.device("cpu"))
-    before = lean.compute([atoms], stress=True)[0]
+    before = lean.compute([atoms], PROPERTIES)[0]
     assert swap_cartesian_transformers(pet) == ["backend.gnn_layers.0", "backend.gnn_layers.1"]
-    return before, lean.compute([atoms], stress=True)[0]
+    return before, lean.compute([atoms], PROPERTIES)[0]
 
 
 def test_folding_gives_metatrains_numbers_in_float64(tiny_ckpt, water):
@@ -53,24 +54,24 @@ def test_the_fold_follows_the_weights(tiny_ckpt, water):
     pet = load_pet(tiny_ckpt).double()
     swap_cartesian_transformers(pet)
     lean = LeanPET(pet, torch.device("cpu"))
-    lean.compute([water], stress=False)
+    lean.compute([water], ("energy", "energies", "forces"))
     with torch.no_grad():
         pet.backend.gnn_layers[1].neighbor_embedder.weight.mul_(2.0)
         pet.backend.gnn_layers[0].edge_embedder.bias.add_(0.1)
-    after = lean.compute([water], stress=False)[0]
+    after = lean.compute([water], ("energy", "energies", "forces"))[0]
     swap_cartesian_transformers(pet, False)
-    expected = lean.compute([water], stress=False)[0]
+    expected = lean.compute([water], ("energy", "energies", "forces"))[0]
     assert np.abs(after["forces"] - expected["forces"]).max() <= 1e-12 * np.abs(expected["forces"]).max()
 
 
 def test_the_swap_keeps_parameters_and_state_dict_and_survives_copies(tiny_ckpt, water):
-    from ase_tcfp32.folded import FoldedCartesianTransformer
+    from ase_tcfp32._folded import FoldedCartesianTransformer
 
     pet = load_pet(tiny_ckpt)
     keys = list(pet.state_dict())
     names = swap_cartesian_transformers(pet)
     assert swap_cartesian_transformers(pet) == names  # idempotent
-    LeanPET(pet, torch.device("cpu")).compute([water], stress=False)  # folds
+    LeanPET(pet, torch.device("cpu")).compute([water], ("energy", "energies", "forces"))  # folds
     assert list(pet.state_dict()) == keys
     for clone in (copy.deepcopy(pet), pickle.loads(pickle.dumps(pet))):
         assert type(clone.get_submodule(names[0])) is FoldedCartesianTransformer

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from ase_tcfp32.fused import combine_messages, swap_backends, swap_feed_forwards, swiglu
+from ase_tcfp32._fused import combine_messages, swap_backends, swap_feed_forwards, swiglu
 
 pytest.importorskip("triton")
 
 
 def test_the_swap_keeps_parameters_and_state_dict_and_survives_copies(tiny_ckpt):
-    from ase_tcfp32.fused import FusedFeedForward
+    from ase_tcfp32._fused import FusedFeedForward
     from ase_tcfp32.models import load_pet
 
     pet = load_pet(tiny_ckpt)
@@ -53,7 +53,7 @@ def test_swiglu_on_cpu_tensors_is_metatrains_expression():
 
 
 def test_the_kernels_refuse_what_they_cannot_take_before_launching():
-    from ase_tcfp32.kernels import swiglu as kernels
+    from ase_tcfp32._kernels import swiglu as kernels
 
     with pytest.raises(ValueError, match=r"contiguous float32 \[\.\.\., 2F\] tensor expected"):
         kernels.forward(torch.zeros(4, 7))
@@ -64,7 +64,7 @@ def test_the_kernels_refuse_what_they_cannot_take_before_launching():
 
 
 def test_the_backend_swap_keeps_parameters_and_state_dict_and_survives_copies(tiny_ckpt):
-    from ase_tcfp32.fused import FusedPETBackend
+    from ase_tcfp32._fused import FusedPETBackend
     from ase_tcfp32.models import load_pet
 
     pet = load_pet(tiny_ckpt)
@@ -101,16 +101,17 @@ def test_the_swapped_featurizer_gives_metatrains_bits_in_float64(tiny_ckpt, wate
     is its own reverse here (another slot's in metatrain) and weighs 1e-15 in PET's
     attention (it clamps the cutoff factors there). A metatrain release that changes its
     featurizer fails here."""
-    from ase_tcfp32.lean import LeanPET
+    from ase_tcfp32._engines import PROPERTIES
+    from ase_tcfp32._lean import LeanPET
     from ase_tcfp32.models import load_pet
 
     pet = load_pet(tiny_ckpt).double()
     lean = LeanPET(pet, torch.device("cpu"))
     atoms = water.copy()
     atoms.rattle(0.05, seed=3)
-    before = lean.compute([atoms], stress=True)[0]
+    before = lean.compute([atoms], PROPERTIES)[0]
     swap_backends(pet)
-    after = lean.compute([atoms], stress=True)[0]
+    after = lean.compute([atoms], PROPERTIES)[0]
     for key in ("energy", "forces", "stress"):
         assert np.abs(after[key] - before[key]).max() <= 100 * 1e-15 * np.abs(before[key]).max(), key
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ase_tcfp32 import TCPETCalculator, auto_precision
-from ase_tcfp32.kernels.reference import ReferenceBackend
+from ase_tcfp32._kernels.reference import ReferenceBackend
 from ase_tcfp32.precision import support
 
 pytestmark = pytest.mark.gpu
@@ -27,7 +27,7 @@ def assert_fp32_level(err: float, fp32: float, depth: int, factor: float) -> Non
 
 @pytest.fixture(scope="module")
 def triton_backends():
-    from ase_tcfp32.kernels.triton_gemm import TritonBackend
+    from ase_tcfp32._kernels.triton_gemm import TritonBackend
 
     return {p: TritonBackend(p) for p in PRECISIONS}
 
@@ -98,7 +98,7 @@ def test_triton_inf_nan_propagate_like_torch(triton_backends, precision, inf_wei
 def test_tma_and_pointer_loads_give_the_same_bits(triton_backends, precision):
     """On Hopper x comes in through a TMA descriptor when its rows are 16-byte aligned,
     through pointer loads otherwise: the arithmetic is the same, so are the results."""
-    from ase_tcfp32.kernels.triton_gemm import _tma_ready, launch
+    from ase_tcfp32._kernels.triton_gemm import _tma_ready, launch
 
     g = torch.Generator(device="cuda").manual_seed(3)
     w = torch.randn(384, 256, device="cuda", generator=g)
@@ -141,7 +141,7 @@ def test_auto_picks_fp16x3_on_hopper_and_tf32x3_on_ampere():
 def test_cublas_bf16x9_call_reaches_cublas():
     """The ctypes path runs, its strategy reaches the handle and is restored; on Hopper
     cuBLAS ignores the emulated compute type and returns SGEMM's bits (measured)."""
-    from ase_tcfp32.kernels import cublas
+    from ase_tcfp32._kernels import cublas
 
     handle = torch.cuda.current_blas_handle()
     before = cublas.get_strategy(handle)
@@ -262,7 +262,7 @@ def test_compiled_calculator_on_gpu(tiny_ckpt, water192, precision):
 def test_low_memory_lowers_the_peak_and_keeps_the_forces():
     """low_memory=True on a PET-MAD-S-shaped model, 3,072 water atoms: smaller peak of
     the forces call (CPU measured 0.55x), same forces."""
-    from ase_tcfp32.models import random_checkpoint
+    from ase_tcfp32.testing import random_checkpoint
     from ase_tcfp32.validation import water_box
 
     results = {}
@@ -294,7 +294,7 @@ def test_lean_and_graph_engines_match_metatomic_on_gpu(tiny_ckpt, water192, prec
         atoms.calc = TCPETCalculator(tiny_ckpt, precision=precision, device="cuda", engine=engine)
         results[engine] = atoms.get_potential_energy(), atoms.get_forces(), atoms.get_stress()
         if engine != "metatomic":  # PET on packed rows where the attention is ours
-            assert atoms.calc._lean.packed == (precision != "fp32")
+            assert atoms.calc._engine.packed == (precision != "fp32")
     e0, f0, s0 = results["metatomic"]
     for engine in ("lean", "graphs"):
         e, f, s = results[engine]
@@ -316,7 +316,7 @@ def test_graph_replays_follow_md_across_list_rebuilds_and_wider_tables(tiny_ckpt
     reference = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", engine="metatomic")
     MaxwellBoltzmannDistribution(atoms, temperature_K=3000, rng=np.random.default_rng(2))
     dyn = VelocityVerlet(atoms, 1.0 * fs)
-    lean = atoms.calc._lean
+    lean = atoms.calc._engine
     for block in range(5):
         dyn.run(4)
         if block == 2:
@@ -359,7 +359,7 @@ def test_no_garbage_collection_runs_while_a_graph_is_captured(tiny_ckpt, water19
     finally:
         gc.set_threshold(*threshold)
         gc.callbacks.remove(collecting)
-    assert atoms.calc._lean.recordings == 1 and np.isfinite(forces).all()
+    assert atoms.calc._engine.recordings == 1 and np.isfinite(forces).all()
     assert during and not any(during)
 
 
@@ -376,54 +376,6 @@ def test_compiled_graph_engine_matches_metatomic(tiny_ckpt, water192):
         assert np.abs(atoms.get_forces() - reference.get_forces()).max() < 3e-5
 
 
-@pytest.fixture(scope="module")
-def gluon_backend():
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon kernel is written for Hopper (sm_90)")
-    from ase_tcfp32.kernels.gluon_tf32x3 import GluonBackend
-
-    return GluonBackend()
-
-
-GLUON_CONFIGS = {
-    "default": None,
-    "plain": dict(BM=128, BN=128, BK=32, STAGES=3, GROUP_M=8, num_warps=8, WS=False),
-    "ws-bk16": dict(BM=128, BN=128, BK=16, STAGES=6, GROUP_M=8, num_warps=8, WS=True),
-}
-
-
-@pytest.mark.parametrize("config", GLUON_CONFIGS)
-@pytest.mark.parametrize("shape", [(1003, 17, 33), (4099, 128, 384), (5000, 256, 768), (20_000, 33, 130), (70_000, 512, 256)])
-def test_gluon_tf32x3_matches_fp64(gluon_backend, shape, config):
-    """Ragged M, K and N edges (TMA zero-fill and clipped stores), bias, the backward;
-    error within :func:`assert_fp32_level` (1.2x cuBLAS FP32 at K >= 256)."""
-    from ase_tcfp32.kernels import gluon_tf32x3
-
-    config = GLUON_CONFIGS[config] or gluon_tf32x3.CONFIG
-    m, k, n = shape
-    g = torch.Generator(device="cuda").manual_seed(m + k + n)
-    x = torch.randn(m, k, device="cuda", generator=g)
-    w = torch.randn(n, k, device="cuda", generator=g)
-    b = torch.randn(n, device="cuda", generator=g)
-    prepared = gluon_backend.prepare(w)
-    exact = x.double() @ w.double().T + b.double()
-    gy = torch.randn(m, n, device="cuda", generator=g)
-    exact_dx = gy.double() @ w.double()
-    y, dx = gluon_tf32x3.launch(x, prepared.forward, b, config), gluon_tf32x3.launch(gy, prepared.backward, None, config)
-    for err, fp32, depth in [(rel_error(y, exact), rel_error(x @ w.T + b, exact), k), (rel_error(dx, exact_dx), rel_error(gy @ w, exact_dx), n)]:
-        assert_fp32_level(err, fp32, depth, 1.2)
-
-
-def test_gluon_tf32x3_inf_nan_propagate_like_torch(gluon_backend):
-    x = torch.randn(4096, 64, device="cuda")
-    w = torch.randn(128, 64, device="cuda")
-    x[3, 5], x[7, 9], x[11, 0] = float("inf"), float("-inf"), float("nan")
-    y = gluon_backend.forward(x, gluon_backend.prepare(w), None)
-    expected = x @ w.T
-    assert torch.equal(torch.isnan(y), torch.isnan(expected))
-    assert torch.equal(torch.isinf(y), torch.isinf(expected))
-
-
 FP16X3_CONFIGS = {"bk32": dict(BK=32, STAGES=4), "bk64": dict(BK=64, STAGES=2), "bk16": dict(BK=16, STAGES=6)}
 
 
@@ -432,7 +384,7 @@ def fp16x3():
     fp16x3_support = support("fp16x3", "cuda")
     if not fp16x3_support.available:
         pytest.skip(fp16x3_support.note)
-    from ase_tcfp32.kernels import fp16x3
+    from ase_tcfp32._kernels import fp16x3
 
     return fp16x3
 
@@ -495,8 +447,9 @@ def test_every_tuning_candidate_gives_the_same_bits(tuning_cache, precision):
     choice to the cache file."""
     import json
 
-    from ase_tcfp32.kernels import fp16x3, get_backend
-    from ase_tcfp32.kernels.triton_gemm import TritonBackend, tile_candidates
+    from ase_tcfp32._backends import get_backend
+    from ase_tcfp32._kernels import fp16x3
+    from ase_tcfp32._kernels.triton_gemm import TritonBackend, tile_candidates
 
     if precision == "fp16x3" and not support("fp16x3", "cuda").available:
         pytest.skip("fp16x3 needs Hopper")
@@ -576,7 +529,7 @@ def test_first_backward_in_a_fresh_process_with_empty_caches(tmp_path, precision
 TWO_THREADS = """
 import threading, numpy as np, torch
 from ase_tcfp32 import TCPETCalculator
-from ase_tcfp32.models import random_checkpoint
+from ase_tcfp32.testing import random_checkpoint
 from ase_tcfp32.validation import water_box
 model = random_checkpoint("xs", seed=3)
 boxes = [water_box(256, seed=s) for s in (0, 1)]  # 768 atoms: the edge GEMMs run our kernels
@@ -663,10 +616,10 @@ def test_watchdog_flags_the_fp16x3_outlier_on_the_gpu(precision):
 def test_watchdog_is_quiet_on_pet_in_every_engine(engine, water192):
     import warnings
 
-    from ase_tcfp32.folded import folded
+    from ase_tcfp32._folded import folded
 
     from ase_tcfp32 import PrecisionWarning
-    from ase_tcfp32.models import random_checkpoint
+    from ase_tcfp32.testing import random_checkpoint
 
     atoms = water192.repeat((2, 2, 1))  # 768 atoms: our kernels, not cuBLAS
     atoms.calc = TCPETCalculator(random_checkpoint("xs", seed=3), device="cuda", engine=engine, check_accuracy=2)
@@ -676,7 +629,7 @@ def test_watchdog_is_quiet_on_pet_in_every_engine(engine, water192):
             atoms.positions += 0.001
             atoms.get_forces()
     assert not [w for w in found if issubclass(w.category, PrecisionWarning)]
-    # every layer was checked; a compression folded away (ase_tcfp32.folded) by its messages' layer
+    # every layer was checked; a compression folded away (ase_tcfp32._folded) by its messages' layer
     folded_away = {id(m.compress[0]): folded(m).messages for m in atoms.calc.pet.modules() if hasattr(m, "compress")}
     layers = [folded_away.get(id(m), m) for m in atoms.calc.pet.modules() if hasattr(m, "check_accuracy")]
     assert all(m._calls["forward"] >= 2 for m in layers)
@@ -685,7 +638,7 @@ def test_watchdog_is_quiet_on_pet_in_every_engine(engine, water192):
 def test_a_batch_of_32_copies_gives_what_32_single_calls_give(water192):
     """32 beads of the 192-atom box in one call (6,144 atoms: our kernels, not cuBLAS), in
     the default precision: per structure the energies, forces and stresses of single calls."""
-    from ase_tcfp32.models import random_checkpoint
+    from ase_tcfp32.testing import random_checkpoint
     from helpers import beads_of
 
     beads = beads_of(water192, 32)
@@ -706,7 +659,7 @@ def test_the_gpus_pair_list_of_a_batch_is_vesins(water192, pt_bulk):
     from ase.build import molecule
     from helpers import beads_of
 
-    from ase_tcfp32.lean import VIRIAL_BINS, Structures, build_pairs
+    from ase_tcfp32._neighbors import VIRIAL_BINS, Structures, build_pairs
 
     triclinic = water192.copy()
     triclinic.set_cell(water192.cell.array + [[0, 0, 0], [3.0, 0, 0], [1.0, 2.0, 0]], scale_atoms=False)
@@ -727,7 +680,7 @@ def test_the_gpus_pair_list_of_a_batch_is_vesins(water192, pt_bulk):
 def test_out_of_memory_says_what_fits_and_the_calculator_recovers():
     """A system too large for the memory it may use: torch.OutOfMemoryError with the
     estimate and the low_memory hint; then a small system works on the same calculator."""
-    from ase_tcfp32.models import random_checkpoint
+    from ase_tcfp32.testing import random_checkpoint
     from ase_tcfp32.validation import water_box
 
     calc = TCPETCalculator(random_checkpoint("s"), device="cuda")
@@ -769,7 +722,7 @@ def _per_head_errors(y, exact):
 def test_tensor_core_attention_is_as_accurate_as_torch_fp32_sdpa(tokens, head_dim):
     """Per (atom, head), forward and gradients: error vs FP64 at most torch FP32 SDPA's
     (what metatrain calls; 3xTF32 on sm80 kernels) plus 2 units of 2^-24."""
-    from ase_tcfp32.attention import tc_attention
+    from ase_tcfp32._attention import tc_attention
 
     qkv, mask, scale = _attention_inputs(1000, tokens, head_dim)
     grad = torch.randn(*qkv.shape[:2], qkv.shape[2] // 3, device="cuda")
@@ -796,7 +749,7 @@ def test_tensor_core_attention_is_as_accurate_as_torch_fp32_sdpa(tokens, head_di
 
 def test_tensor_core_attention_one_allowed_key_gives_its_value_exactly():
     """A row whose mask is -inf but for one key returns that key's value bit for bit."""
-    from ase_tcfp32.attention import tc_attention
+    from ase_tcfp32._attention import tc_attention
 
     qkv, mask, scale = _attention_inputs(300, 41, 32, seed=3)
     keys = torch.randint(0, 41, (300, 41), device="cuda")
@@ -808,12 +761,12 @@ def test_tensor_core_attention_one_allowed_key_gives_its_value_exactly():
 
 @pytest.mark.parametrize("head_dim", [32, 48])
 def test_packed_attention_is_as_accurate_as_torch_fp32(head_dim):
-    """The kernels on packed sequences (PET-like: 24-40 neighbours, 8 heads) against the
+    """The kernels on packed sequences (PET-like: 24-40 neighbors, 8 heads) against the
     same sequences padded and attended by torch in FP32 and FP64: normwise per sequence,
     forward and gradients, within torch FP32's error plus 2 units of 2^-24; an atom whose
-    neighbours are all masked gets its centre token's value exactly; spare rows are zero."""
-    from ase_tcfp32.attention import packed_attention_in_torch, tc_attention_packed
-    from ase_tcfp32.kernels.attention import Sequences
+    neighbors are all masked gets its center token's value exactly; spare rows are zero."""
+    from ase_tcfp32._attention import packed_attention_in_torch, tc_attention_packed
+    from ase_tcfp32._kernels.attention import Sequences
 
     g = torch.Generator(device="cuda").manual_seed(0)
     atoms, width = 2000, 3 * 8 * head_dim
@@ -848,7 +801,7 @@ def test_attention_blocks_on_the_gpu_pair_and_fill_as_python_does():
     starts with as many (short, long) pairs that fit as the greedy matching finds (largest
     long one first, with the shortest short one left), and the blocks are Python's next-fit
     over that order; PET-like water lengths and mixed ones, 64- and 128-row blocks."""
-    from ase_tcfp32.kernels.attention import FIT_CHUNK, Sequences, fit_blocks
+    from ase_tcfp32._kernels.attention import FIT_CHUNK, Sequences, fit_blocks
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for atoms, low, high, tokens, block in [(17280, 24, 39, 42, 64), (1000, 0, 39, 42, 64), (777, 30, 90, 100, 128)]:
@@ -882,9 +835,9 @@ def test_tensor_core_attention_in_pet_matches_sdpa_in_every_engine(tiny_ckpt, wa
     """tf32x3 with our attention, SwiGLU, message combination and folded compression (the
     default for FP32-accurate precisions) against the same precision with torch's SDPA and metatrain's
     code: energies, forces and stress to FP32 rounding, eager, compiled and in CUDA graphs."""
-    from ase_tcfp32.attention import swap_attention_blocks
-    from ase_tcfp32.folded import swap_cartesian_transformers
-    from ase_tcfp32.fused import swap_backends, swap_feed_forwards
+    from ase_tcfp32._attention import swap_attention_blocks
+    from ase_tcfp32._folded import swap_cartesian_transformers
+    from ase_tcfp32._fused import swap_backends, swap_feed_forwards
 
     reference = water192.copy()
     reference.calc = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", engine="metatomic")
@@ -917,7 +870,7 @@ def _assert_swiglu_errors_within_8_units(y, grad, h, grad_y):
 def test_fused_swiglu_matches_fp64():
     """The SwiGLU kernels (libdevice's exp on the GPU) against FP64, forward and backward,
     with non-finite gates propagating as in torch."""
-    from ase_tcfp32.fused import swiglu
+    from ase_tcfp32._fused import swiglu
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for rows, features in [(100_003, 512), (1_001, 2048), (77, 40)]:
@@ -936,7 +889,7 @@ def test_fused_swiglu_matches_fp64():
 
 def test_fused_swiglu_past_2_31_elements():
     """Offsets past 2^31 elements (a 2.2-billion-float input, 26 GB in all): the last rows."""
-    from ase_tcfp32.kernels import swiglu
+    from ase_tcfp32._kernels import swiglu
 
     rows, features = 2**31 // 1024 + 3, 512
     y = torch.randn(rows, 2 * features, device="cuda")

@@ -252,7 +252,7 @@ def test_driver_options_reach_the_calculator(tmp_path):
 
     ase.io.write(tmp_path / "water.xyz", water_box(8, seed=0))
     options = dict(template=str(tmp_path / "water.xyz"), model=MODEL, precision="fp32", device="cpu")
-    assert TCPETDriver(**options, neighbor_skin="0.5").calculators[0]._lean.skins == (0.5, 0.5)
+    assert TCPETDriver(**options, neighbor_skin="0.5").calculators[0]._engine.skins == (0.5, 0.5)
     with pytest.raises(ValueError, match="neighbor_skin is a distance in Å, not 'wide'"):
         TCPETDriver(**options, neighbor_skin="wide")
     with pytest.raises(ValueError, match="neighbor_skin is a distance in Å, 0 or more, not -1.0"):
@@ -278,7 +278,7 @@ def test_a_padded_batch_is_answered_from_its_real_structures(tmp_path):
     positions = [b.positions * LENGTH for b in beads]
     full = drv.calculators[0]
     answers = drv.compute(cells + cells[-1:] * 2, positions + positions[-1:] * 2)  # 3 real, 2 copies
-    assert len(answers) == 5 and full._lean.evaluations == 0 and drv._short[0]._lean.evaluations == 1
+    assert len(answers) == 5 and full._engine.evaluations == 0 and drv._short[0]._engine.evaluations == 1
     direct = TCPETCalculator(MODEL, precision="fp32", device="cpu")
     for k, answer in enumerate(answers):
         atoms = beads[min(k, 2)].copy()
@@ -287,7 +287,7 @@ def test_a_padded_batch_is_answered_from_its_real_structures(tmp_path):
         assert np.abs(answer[1] - atoms.get_forces() * FORCE).max() <= 1e-4 * FORCE
     assert answers[3][0] == answers[2][0] and np.array_equal(answers[4][1], answers[2][1])
     drv.compute(cells, positions)
-    assert full._lean.evaluations == 1 and drv._short[0]._lean.evaluations == 1
+    assert full._engine.evaluations == 1 and drv._short[0]._engine.evaluations == 1
     assert (drv.requests, drv.padded) == (2, 1)
     atexit.unregister(drv._report)  # its exit report is for driver processes
 

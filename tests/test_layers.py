@@ -149,7 +149,7 @@ def test_swap_is_idempotent_reversible_and_covers_pet(tiny_ckpt):
 
 
 def test_pet_mad_s_has_57_linear_layers_that_swap():
-    from ase_tcfp32.models import random_pet
+    from ase_tcfp32.testing import random_pet
 
     pet = random_pet("s")
     linears = [n for n, m in pet.named_modules() if type(m) is nn.Linear]

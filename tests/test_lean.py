@@ -8,7 +8,8 @@ from ase.md.verlet import VelocityVerlet
 from ase.units import fs
 
 from ase_tcfp32 import TCPETCalculator
-from ase_tcfp32.lean import MARGIN, LeanPET
+from ase_tcfp32._lean import MARGIN, LeanPET
+from ase_tcfp32._neighbors import pair_vectors
 from ase_tcfp32.models import load_pet
 from helpers import beads_of
 
@@ -39,7 +40,7 @@ def test_lean_matches_metatomic_on_shipped_checkpoints(shipped, ethanol, name):
 def test_lean_matches_metatomic_with_stress_and_self_images(tiny_ckpt, water, pt_bulk):
     _agree(water, tiny_ckpt)
     calc = _agree(pt_bulk, tiny_ckpt)  # a 3.9 Å cell: atoms see their own periodic images
-    pairs = calc._lean.pairs
+    pairs = calc._engine.pairs
     i, j = pairs.centers[: pairs.count], pairs.neighbors[: pairs.count]
     assert bool((i == j).any())
     reverse = pairs.reverse[: pairs.count]
@@ -73,15 +74,15 @@ def test_verlet_list_is_rebuilt_only_past_half_the_skin(tiny_ckpt, water):
         copy = water.copy()
         copy.calc = ref
         assert np.abs(water.get_forces() - copy.get_forces()).max() <= 1e-5 * max(1.0, np.abs(copy.get_forces()).max())
-    assert 2 <= calc._lean.rebuilds < 31
+    assert 2 <= calc._engine.rebuilds < 31
 
 
-def test_neighbour_table_widens_when_atoms_crowd_in(tiny_ckpt, water):
+def test_neighbor_table_widens_when_atoms_crowd_in(tiny_ckpt, water):
     water.calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine="lean")
     water.get_forces()
-    lean = water.calc._lean
+    lean = water.calc._engine
     positions = torch.tensor(water.positions, dtype=torch.float32)
-    most = int(lean.neighbour_table(lean.pair_vectors(positions), torch.tensor(water.numbers), lean.columns)[1])
+    most = int(lean.neighbor_table(pair_vectors(positions, lean.pairs), torch.tensor(water.numbers), lean.columns)[1])
     assert lean.width == most + MARGIN and lean.widenings == 0
     lean._set_width(8)  # as if the table had been sized for a sparser configuration
     water.calc.reset()
@@ -110,24 +111,24 @@ def test_repr_names_the_engine(tiny_ckpt):
 
 
 def test_compiled_lean_engine_matches_eager(tiny_ckpt, water):
-    """compile=True also compiles the neighbour table and adaptive cutoffs (on CPU here)."""
+    """compile=True also compiles the neighbor table and adaptive cutoffs (on CPU here)."""
     eager = _agree(water, tiny_ckpt)
     compiled = water.copy()
     compiled.calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine="lean", compile=True)
     assert np.abs(compiled.get_forces() - eager.results["forces"]).max() <= 3e-5  # fused ops: FP32 reordering
     compiled.positions[0] += 0.05  # moved atoms, and a table widened: no recompilation
-    compiled.calc._lean._set_width(8)
+    compiled.calc._engine._set_width(8)
     moved = compiled.copy()
     moved.calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine="lean")
     with torch._dynamo.config.patch(error_on_recompile=True):
         assert np.abs(compiled.get_forces() - moved.get_forces()).max() <= 3e-5
-    assert compiled.calc._lean.widenings == 1
+    assert compiled.calc._engine.widenings == 1
 
 
 def test_lean_matches_metatomic_in_float64(water):
     """A float64 PET: the engines agree to ~1e-10, so nothing but FP32 rounding separates
     them (the skin's extra pairs, the padding and the table layout change nothing)."""
-    from ase_tcfp32.models import random_pet
+    from ase_tcfp32.testing import random_pet
 
     pet = random_pet("tiny", seed=11, atomic_types=[1, 8, 78]).to(torch.float64)
     ref, ours = water.copy(), water.copy()
@@ -138,7 +139,7 @@ def test_lean_matches_metatomic_in_float64(water):
     assert np.abs(ours.get_stress() - ref.get_stress()).max() < 1e-11
 
 
-def test_lean_handles_atoms_without_neighbours():
+def test_lean_handles_atoms_without_neighbors():
     """An isolated atom (no pairs at all) and a dimer: the padding-only tables work."""
     from ase import Atoms
 
@@ -195,23 +196,21 @@ def test_a_batch_of_different_structures(tiny_ckpt, water, pt_bulk, ethanol):
 
 def test_pair_terms_backward_sums_each_atoms_pairs_and_their_reverses(water, pt_bulk, ethanol):
     """The gradients of the pair vectors ``x[j] - x[i]`` and of the pair cutoffs' sums
-    ``r[i] + r[j]`` (a gather by reverse pair and a segment sum per centre) are the
+    ``r[i] + r[j]`` (a gather by reverse pair and a segment sum per center) are the
     scatter-adds of every pair's gradient onto its two atoms, in float64 to rounding: a
     batch with periodic self-images, a molecule and an isolated atom (an empty segment),
     padding included."""
     from ase import Atoms
 
-    from ase_tcfp32.lean import Structures, _PairTerms, build_pairs
+    from ase_tcfp32._neighbors import PairTerms, Structures, build_pairs
 
     lone = Atoms("O", positions=[[0.0, 0.0, 0.0]])
     batch = Structures.of([water, pt_bulk, lone, ethanol])
     positions = torch.tensor(batch.positions, requires_grad=True)
     pairs = build_pairs(positions.detach(), batch.cells, batch.pbcs, batch.sizes, 5.0, 0)
-    lean = LeanPET.__new__(LeanPET)
-    lean.pairs = pairs
     g = torch.Generator().manual_seed(0)
     weights = torch.randn(pairs.valid.numel(), 3, dtype=torch.float64, generator=g) * pairs.valid[:, None]
-    (ours,) = torch.autograd.grad((lean.pair_vectors(positions) * weights).sum(), positions)
+    (ours,) = torch.autograd.grad((pair_vectors(positions, pairs) * weights).sum(), positions)
     plain = positions.index_select(0, pairs.neighbors) - positions.index_select(0, pairs.centers) + pairs.offsets
     (expected,) = torch.autograd.grad((plain * weights).sum(), positions)
     assert pairs.count < pairs.valid.numel() and torch.equal(ours[len(water) + len(pt_bulk)], torch.zeros(3, dtype=torch.float64))
@@ -219,7 +218,7 @@ def test_pair_terms_backward_sums_each_atoms_pairs_and_their_reverses(water, pt_
     assert not torch.equal(ours, torch.zeros_like(ours))
 
     cutoffs = torch.rand(len(positions), dtype=torch.float64, generator=g).requires_grad_()
-    sums = _PairTerms.apply(cutoffs, pairs.centers, pairs.neighbors, pairs.reverse, pairs.first, 1.0)
+    sums = PairTerms.apply(cutoffs, pairs.centers, pairs.neighbors, pairs.reverse, pairs.first, 1.0)
     (ours,) = torch.autograd.grad((sums * weights[:, 0]).sum(), cutoffs)
     plain = cutoffs.index_select(0, pairs.centers) + cutoffs.index_select(0, pairs.neighbors)
     assert torch.equal(sums, plain)
@@ -234,7 +233,7 @@ def test_all_pairs_of_small_cells_are_vesins(water, pt_bulk):
     each with a rattled copy of itself in the same call."""
     from vesin import NeighborList
 
-    from ase_tcfp32.lean import all_pairs, images_needed
+    from ase_tcfp32._neighbors import all_pairs, images_needed
 
     unwrapped = water.copy()
     unwrapped.positions += [7.3, -13.0, 30.0]

@@ -1,12 +1,14 @@
-"""PET on packed rows (ase_tcfp32.packed) against metatrain's neighbour table, in float64:
+"""PET on packed rows (ase_tcfp32._packed) against metatrain's neighbor table, in float64:
 nothing but the table's padding (weighted 1e-15 in its attention) separates them."""
 
 import numpy as np
 import pytest
 import torch
 
-from ase_tcfp32.lean import LeanPET
-from ase_tcfp32.models import random_pet, recompute_gnn_layers
+from ase_tcfp32._engines import PROPERTIES
+from ase_tcfp32._lean import LeanPET
+from ase_tcfp32._swapping import recompute_gnn_layers
+from ase_tcfp32.testing import random_pet
 
 
 @pytest.fixture(scope="module")
@@ -15,9 +17,9 @@ def pet64():
 
 
 def _both(pet, structures, **packed_options):
-    table = LeanPET(pet, torch.device("cpu")).compute(structures, stress=True)
+    table = LeanPET(pet, torch.device("cpu")).compute(structures, PROPERTIES)
     lean = LeanPET(pet, torch.device("cpu"), packed=True, **packed_options)
-    return table, lean.compute(structures, stress=True), lean
+    return table, lean.compute(structures, PROPERTIES), lean
 
 
 def _assert_same(table, packed):
@@ -37,8 +39,8 @@ def test_packed_rows_give_the_tables_results(pet64, water, pt_bulk, ethanol):
         _assert_same(*_both(pet64, structures)[:2])
 
 
-def test_atoms_without_neighbours_on_packed_rows(pet64):
-    """An isolated atom (no pairs at all) and a dimer: sequences of the centre token alone."""
+def test_atoms_without_neighbors_on_packed_rows(pet64):
+    """An isolated atom (no pairs at all) and a dimer: sequences of the center token alone."""
     from ase import Atoms
 
     for atoms in (Atoms("O", positions=[[0, 0, 0]]), Atoms("OH", positions=[[0, 0, 0], [0, 0, 0.97]])):
@@ -52,17 +54,17 @@ def test_a_step_with_too_few_rows_is_redone_with_more(pet64, water):
     lean._set_rows(100)  # as if the rows had been sized for far fewer pairs
     moved = water.copy()
     moved.positions[0] += 0.05
-    again = lean.compute([moved], stress=True)
-    _assert_same(LeanPET(pet64, torch.device("cpu")).compute([moved], stress=True), again)
+    again = lean.compute([moved], PROPERTIES)
+    _assert_same(LeanPET(pet64, torch.device("cpu")).compute([moved], PROPERTIES), again)
     assert lean.rows > 100
 
 
 def test_recomputed_gnn_layers_on_packed_rows(water):
     """low_memory=True: the layers run again in the backward, on packed rows too; same forces."""
     pet = random_pet("tiny", seed=11, atomic_types=[1, 8]).to(torch.float64).eval()
-    first = LeanPET(pet, torch.device("cpu"), packed=True).compute([water], stress=True)[0]
+    first = LeanPET(pet, torch.device("cpu"), packed=True).compute([water], PROPERTIES)[0]
     recompute_gnn_layers(pet)
-    again = LeanPET(pet, torch.device("cpu"), packed=True).compute([water], stress=True)[0]
+    again = LeanPET(pet, torch.device("cpu"), packed=True).compute([water], PROPERTIES)[0]
     assert np.array_equal(first["forces"], again["forces"]) and first["energy"] == again["energy"]
 
 
@@ -79,5 +81,5 @@ def test_calculators_pack_rows_only_with_the_attention_on_tensor_cores(tiny_ckpt
     from ase_tcfp32 import TCPETCalculator
 
     calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine="lean")
-    assert not calc._lean.packed and "neighbour table" in calc._repr_html_()
+    assert not calc._engine.packed and "neighbor table" in calc._repr_html_()
 

@@ -99,7 +99,7 @@ def no_toolchain(monkeypatch, tmp_path):
 
 
 def test_a_machine_without_a_c_compiler_is_told_so_and_runs_fp32(fake_gpu, no_toolchain):
-    from ase_tcfp32.attention import on_tensor_cores
+    from ase_tcfp32._attention import on_tensor_cores
 
     assert "no C compiler" in precision_module.triton_build_problem()
     for cc, fallback in (((9, 0), "fp32"), ((8, 0), "fp32"), ((10, 0), "bf16x9")):
@@ -142,7 +142,7 @@ def test_the_toolchain_check_follows_tritons_rules(monkeypatch, tmp_path):
 
 
 def test_without_a_c_compiler_the_cutoffs_run_in_torch_with_a_warning(no_toolchain):
-    from ase_tcfp32.lean import cutoff_kernel_usable
+    from ase_tcfp32._lean import cutoff_kernel_usable
 
     with pytest.warns(UserWarning, match="adaptive cutoffs run in metatrain's torch code.*no C compiler"):
         assert not cutoff_kernel_usable(torch.device("cuda"))

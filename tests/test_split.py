@@ -4,8 +4,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from ase_tcfp32.kernels import round_tf32, split_bf16x3, split_tf32
-from ase_tcfp32.kernels.split import scale_rows, split_fp16
+from ase_tcfp32._kernels import round_tf32, split_bf16x3, split_tf32
+from ase_tcfp32._kernels.split import scale_rows, split_fp16
 
 normal_floats = st.floats(
     allow_nan=False, allow_infinity=False, width=32

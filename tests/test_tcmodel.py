@@ -235,7 +235,7 @@ def test_emulated_fp16x3_follows_the_kernel_and_keeps_fp32_range():
     FP32 rounding of the torch reference emulation (which sums in IEEE FP32), Inf/NaN
     propagated; A100 (8-product FP16 blocks) computes other bits. FP32's error is that of
     the in-order FP32 sum (not the local BLAS, whose error depends on the CPU)."""
-    from ase_tcfp32.kernels.reference import ReferenceBackend
+    from ase_tcfp32._kernels.reference import ReferenceBackend
     from ase_tcfp32.tcmodel import emulated_matmul
 
     rng = np.random.default_rng(4)

@@ -14,8 +14,8 @@ pytest.importorskip("triton")
 SCRIPT = textwrap.dedent(
     """
     import torch
-    from ase_tcfp32.kernels.reference import ReferenceBackend
-    from ase_tcfp32.kernels.triton_gemm import TritonBackend
+    from ase_tcfp32._kernels.reference import ReferenceBackend
+    from ase_tcfp32._kernels.triton_gemm import TritonBackend
 
     g = torch.Generator().manual_seed(0)
     for precision in ("tf32", "tf32x3"):
@@ -59,7 +59,8 @@ SAME_PET_AFTER = textwrap.dedent(
     """
     import numpy as np
     import torch
-    from ase_tcfp32.lean import LeanPET
+    from ase_tcfp32._engines import PROPERTIES
+    from ase_tcfp32._lean import LeanPET
     from ase_tcfp32.models import load_pet
     from ase_tcfp32.validation import water_box
 
@@ -73,9 +74,9 @@ SAME_PET_AFTER = textwrap.dedent(
         atoms.rattle(0.05, seed=1)
         lean = LeanPET(pet, torch.device("cpu"), 2.0, 0, None)
         lean._solver_kernel = None  # metatrain's solver: the cutoff kernel has its own test (and is slow interpreted)
-        before = lean.compute([atoms], stress=True)[0]
+        before = lean.compute([atoms], PROPERTIES)[0]
         assert swap(pet)
-        after = lean.compute([atoms], stress=True)[0]
+        after = lean.compute([atoms], PROPERTIES)[0]
         assert abs(after["energy"] - before["energy"]) < 16 * len(atoms) * 2.0**-24 * abs(before["energy"])
         assert np.abs(after["forces"] - before["forces"]).max() < 1e-5 * np.abs(before["forces"]).max()
         assert np.abs(after["stress"] - before["stress"]).max() < 1e-5 * np.abs(before["stress"]).max()
@@ -86,8 +87,8 @@ SAME_PET_AFTER = textwrap.dedent(
 
 ATTENTION_SCRIPT = SAME_PET_AFTER + textwrap.dedent(
     """
-    from ase_tcfp32.attention import swap_attention_blocks, tc_attention
-    from ase_tcfp32.models import recompute_gnn_layers
+    from ase_tcfp32._attention import swap_attention_blocks, tc_attention
+    from ase_tcfp32._swapping import recompute_gnn_layers
 
     g = torch.Generator().manual_seed(0)
     u = 2.0**-24
@@ -118,7 +119,7 @@ ATTENTION_SCRIPT = SAME_PET_AFTER + textwrap.dedent(
     import sys
     assert "torch._dynamo" not in sys.modules  # eager: no custom-op call (its first one imports dynamo, 0.5 s)
     recompute_gnn_layers(pet)  # low_memory=True: the layers run their forward again in the backward
-    recomputed = lean.compute([atoms], stress=True)[0]
+    recomputed = lean.compute([atoms], PROPERTIES)[0]
     assert np.array_equal(recomputed["forces"], after["forces"])
 
     # heads too wide for the kernels: metatrain's own attention, with a warning that says why
@@ -145,15 +146,15 @@ PACKED_SCRIPT = textwrap.dedent(
     """
     import numpy as np
     import torch
-    from ase_tcfp32.kernels.attention import Sequences
-    from ase_tcfp32.attention import packed_attention_in_torch, tc_attention_packed
+    from ase_tcfp32._kernels.attention import Sequences
+    from ase_tcfp32._attention import packed_attention_in_torch, tc_attention_packed
 
     g = torch.Generator().manual_seed(0)
     u = 2.0**-24
     rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()
 
     # the blocks' order: as many (short, long) pairs that fit first as a brute-force matching finds
-    from ase_tcfp32.kernels.attention import FIT_CHUNK, fit_blocks
+    from ase_tcfp32._kernels.attention import FIT_CHUNK, fit_blocks
 
     def most_pairs(lengths, block):
         short, long = [x for x in lengths if x <= block // 2], [x for x in lengths if x > block // 2]
@@ -196,7 +197,7 @@ PACKED_SCRIPT = textwrap.dedent(
         found = blocks.table.tolist()
         assert len(found) == len(expected) and all(f[1] == e[1] and (e[1] == 0 or f[0] == e[0]) for f, e in zip(found, expected))
 
-    # 3, 2 and 1 sequences per block, heads of 16 to 48, an atom without neighbours, 5 spare rows
+    # 3, 2 and 1 sequences per block, heads of 16 to 48, an atom without neighbors, 5 spare rows
     for atoms, heads, dim, most in [(7, 8, 32, 20), (5, 2, 48, 12), (3, 2, 16, 99), (6, 1, 32, 63)]:
         counts = torch.randint(0, most + 1, (atoms,), generator=g)
         counts[0], counts[1] = most, 0
@@ -205,7 +206,7 @@ PACKED_SCRIPT = textwrap.dedent(
         qkv = torch.randn(total + 5, 3 * heads * dim, generator=g)
         node_qkv = torch.randn(atoms, 3 * heads * dim, generator=g)
         bias = torch.log(torch.rand(total + 5, generator=g).clamp_min(1e-15))
-        bias[first[2] : first[2] + counts[2]] = float("-inf")  # atom 2 attends to its centre only
+        bias[first[2] : first[2] + counts[2]] = float("-inf")  # atom 2 attends to its center only
         sequences = Sequences(first, counts, torch.tensor(total), most + 1)
         inputs = [t.clone().requires_grad_() for t in (qkv, node_qkv, bias)]
         out, node_out = tc_attention_packed(*inputs, sequences, heads, dim**-0.5)
@@ -235,7 +236,8 @@ PACKED_SCRIPT = textwrap.dedent(
     assert all(torch.equal(a, b) for a, b in zip(found, packed_attention_in_torch(qkv, node_qkv, bias, long, 2, 0.1)))
 
     # the bundled demo model on packed rows, with the kernels, against metatrain's table
-    from ase_tcfp32.lean import LeanPET
+    from ase_tcfp32._engines import PROPERTIES
+    from ase_tcfp32._lean import LeanPET
     from ase_tcfp32.models import load_pet
     from ase_tcfp32.validation import water_box
 
@@ -246,7 +248,7 @@ PACKED_SCRIPT = textwrap.dedent(
     for packed in (False, True):
         lean = LeanPET(pet, torch.device("cpu"), 2.0, 0, None, packed=packed)
         lean._solver_kernel = None  # metatrain's solver: the cutoff kernel has its own test (and is slow interpreted)
-        results.append(lean.compute([atoms], stress=True)[0])
+        results.append(lean.compute([atoms], PROPERTIES)[0])
     before, after = results
     assert abs(after["energy"] - before["energy"]) < 16 * len(atoms) * u * abs(before["energy"])
     assert np.abs(after["forces"] - before["forces"]).max() < 1e-5 * np.abs(before["forces"]).max()
@@ -262,7 +264,7 @@ def test_packed_attention_kernels_in_the_triton_interpreter():
 
 SWIGLU_SCRIPT = SAME_PET_AFTER + textwrap.dedent(
     """
-    from ase_tcfp32.fused import swap_feed_forwards, swiglu
+    from ase_tcfp32._fused import swap_feed_forwards, swiglu
 
     g = torch.Generator().manual_seed(0)
     u = 2.0**-24
@@ -307,7 +309,7 @@ COMBINATION_SCRIPT = SAME_PET_AFTER + textwrap.dedent(
     import sys
     sys.path.insert(0, {os.path.dirname(__file__)!r})
     from helpers import check_combination
-    from ase_tcfp32.fused import swap_backends
+    from ase_tcfp32._fused import swap_backends
 
     check_combination("cpu")
 
@@ -331,8 +333,8 @@ CUTOFFS_SCRIPT = textwrap.dedent(
     import torch
     from metatrain.pet.modules.adaptive_cutoff import get_adaptive_cutoffs_solver
     from metatrain.pet.modules.utilities import cutoff_func_bump
-    from ase_tcfp32.kernels.cutoffs import adaptive_cutoffs
-    from ase_tcfp32.lean import build_pairs
+    from ase_tcfp32._kernels.cutoffs import adaptive_cutoffs
+    from ase_tcfp32._neighbors import build_pairs
     from ase_tcfp32.validation import water_box
 
     for molecules, skin, target in [(8, 0.5, 24), (8, 2.0, 16)]:

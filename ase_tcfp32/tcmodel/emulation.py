@@ -1,12 +1,12 @@
 """Our FP32-emulating GEMMs as a given GPU generation's tensor cores compute them.
 
 The schemes follow the package's Triton kernels step by step: operands split with
-:mod:`ase_tcfp32.kernels.split` (TF32 ``lo`` words truncated, as the hardware reads only
+:mod:`ase_tcfp32._kernels.split` (TF32 ``lo`` words truncated, as the hardware reads only
 their top 19 bits), along K tiles of 32 columns; in each tile hi*hi chains through a
 fresh tensor-core accumulator and joins the running sum with an IEEE FP32 addition, while
 the small products (zero for Inf inputs) chain through one accumulator over all of K,
 added at the end. Single-pass ``tf32`` is one chain over all of K. ``fp16x3`` follows the
-Gluon kernel (:mod:`ase_tcfp32.kernels.fp16x3`): the weight's rows scaled by powers of two
+Gluon kernel (:mod:`ase_tcfp32._kernels.fp16x3`): the weight's rows scaled by powers of two
 and split into FP16 words once, each 32-wide K-tile of x scaled per row and split, and
 lo*w_hi, hi*w_lo, hi*w_hi chained through one fresh accumulator per K-tile that joins the
 FP32 sum times the rows' ``2^-a``. Each chain runs the bit-accurate block FMA of ``gpu``.
@@ -20,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..kernels.reference import SCHEMES
-from ..kernels.split import split_fp16x3
+from .._kernels.reference import SCHEMES
+from .._kernels.split import split_fp16x3
 from .core import TILE_ELEMENTS, _chain, map_row_tiles
 from .presets import TensorCore, tensor_core
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from ..calculator import TCPETCalculator
-from ..models import load_pet, random_checkpoint
+from ..models import load_pet
+from ..testing import random_checkpoint
 
 
 def resolve_model(model: str) -> str:
@@ -51,20 +52,6 @@ def environment(device: str | None, engine: str | None = None) -> dict:
     else:
         env["cpu_threads"] = torch.get_num_threads()
     return env
-
-
-def md_step_times(dyn, steps: int) -> list[float]:
-    """Seconds of each of ``steps`` steps of the ASE dynamics ``dyn``, the GPU (if any)
-    synchronised before and after each: what the step costs the host and the device."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    times = []
-    for _ in range(steps):
-        sync()
-        start = time.perf_counter()
-        dyn.run(1)
-        sync()
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def run_jobs(function, tasks: list[tuple], jobs: int) -> list:

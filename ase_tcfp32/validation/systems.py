@@ -15,7 +15,7 @@ def water_box(n_molecules: int = 64, density: float = 1.0, seed: int = 0) -> Ato
 
     ``density`` in g/cm³; 64 molecules (192 atoms) at 1 g/cm³ is a 12.42 Å box.
     Molecules are placed on the smallest n³ lattice holding them, rotated at
-    random and shifted by up to 0.2 Å (centres stay >= 2.7 Å apart at 1 g/cm³).
+    random and shifted by up to 0.2 Å (centers stay >= 2.7 Å apart at 1 g/cm³).
     """
     rng = np.random.default_rng(seed)
     length = (n_molecules * _WATER_MASS_G / density) ** (1 / 3) * 1e8  # cm -> Å
@@ -28,8 +28,8 @@ def water_box(n_molecules: int = 64, density: float = 1.0, seed: int = 0) -> Ato
     positions, symbols = [], []
     for site in sites:
         rotated = Rotation.random(random_state=rng).apply(template.positions)
-        centre = (site + 0.5) * spacing + rng.uniform(-0.2, 0.2, 3)
-        positions.extend(rotated + centre)
+        center = (site + 0.5) * spacing + rng.uniform(-0.2, 0.2, 3)
+        positions.extend(rotated + center)
         symbols.extend(template.get_chemical_symbols())
     atoms = Atoms(symbols, positions=positions, cell=[length] * 3, pbc=True)
     atoms.wrap()

@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ase_tcfp32.kernels import attention as fused
-from ase_tcfp32.kernels.attention import _columns, _dot3, _dot3_exact_b, _head, _program_block, _softmax
+from ase_tcfp32._kernels import attention as fused
+from ase_tcfp32._kernels.attention import _columns, _dot3, _dot3_exact_b, _head, _program_block, _softmax
 
 
 @triton.jit

@@ -22,7 +22,8 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from ase_tcfp32.kernels import fp16x3, gluon_tf32x3, triton_gemm
+import gluon_tf32x3  # this folder's experiment
+from ase_tcfp32._kernels import fp16x3, triton_gemm
 
 TARGET = GPUTarget("cuda", 90, 32)
 

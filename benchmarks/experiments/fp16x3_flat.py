@@ -38,11 +38,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
 
-from ase_tcfp32.kernels import autotune, fp16x3
-from ase_tcfp32.kernels.context import on_device
-from ase_tcfp32.kernels.fp16x3 import _issue, _loader, _split
-from ase_tcfp32.kernels.gluon_common import descriptor, ring, tile_offsets, tma_ready
-from ase_tcfp32.kernels.triton_gemm import sm_count
+from ase_tcfp32._kernels import autotune, fp16x3
+from ase_tcfp32._kernels.context import on_device
+from ase_tcfp32._kernels.fp16x3 import _issue, _loader, _split
+from ase_tcfp32._kernels.gluon_common import descriptor, ring, tile_offsets, tma_ready
+from ase_tcfp32._kernels.triton_gemm import sm_count
 
 
 @gluon.jit

@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench
 
-from ase_tcfp32.kernels import fp16x3, gluon_tf32x3
-from ase_tcfp32.kernels.triton_gemm import TritonBackend
+import gluon_tf32x3  # this folder's experiment
+from ase_tcfp32._kernels import fp16x3
+from ase_tcfp32._kernels.triton_gemm import TritonBackend
 from ase_tcfp32.precision import ieee_fp32_matmul
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for gemm.py
 from gemm import environment  # noqa: E402

@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ase_tcfp32.kernels.split import round_tf32
-from ase_tcfp32.kernels.triton_gemm import _round_tf32, _split_tf32
+from ase_tcfp32._kernels.split import round_tf32
+from ase_tcfp32._kernels.triton_gemm import _round_tf32, _split_tf32
 
 
 @triton.jit

@@ -1,5 +1,5 @@
-"""Per-pair values summed onto their centre atoms: ``index_add_`` against ``torch.segment_reduce``
-and a one-program-per-atom Triton sum, at the sizes of the lean step (pairs sorted by centre).
+"""Per-pair values summed onto their center atoms: ``index_add_`` against ``torch.segment_reduce``
+and a one-program-per-atom Triton sum, at the sizes of the lean step (pairs sorted by center).
 
     python benchmarks/experiments/segment_sums.py [--out F.json]
 

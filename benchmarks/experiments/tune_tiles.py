@@ -3,14 +3,14 @@
     python benchmarks/experiments/tune_tiles.py
 
 Prints ms and speed-up vs cuBLAS FP32 for each (BM, BN, BK, warps, stages, GROUP_M);
-used to choose ``tile_config`` in ``ase_tcfp32/kernels/triton_gemm.py``.
+used to choose ``tile_config`` in ``ase_tcfp32/_kernels/triton_gemm.py``.
 """
 
 import torch
 import triton
 from triton.testing import do_bench
 
-from ase_tcfp32.kernels.triton_gemm import TritonBackend, launch
+from ase_tcfp32._kernels.triton_gemm import TritonBackend, launch
 
 SHAPES = [(691200, 256, 768), (673920, 768, 256), (673920, 512, 256), (673920, 256, 1024), (673920, 256, 256)]
 CONFIGS = [  # BM, BN, BK, warps, stages, GROUP_M

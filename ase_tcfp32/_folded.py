@@ -1,7 +1,7 @@
 """PET's edge-token compression with the edge embeddings folded into its weights.
 
 Each GNN layer of metatrain's PET (``CartesianTransformer``) starts by embedding every
-neighbour slot: ``e = edge_embedder([v, |v|])`` (a Linear from the edge vector and its
+neighbor slot: ``e = edge_embedder([v, |v|])`` (a Linear from the edge vector and its
 length, 4 -> d), ``n = neighbor_embedder(species)`` (an Embedding; not in the first
 layer), then compresses ``[e, n, m]`` with the slot's input message ``m``:
 ``compress = Linear(3d -> d), SiLU, Linear(d -> d)``. The first product has K = 3d, but
@@ -21,7 +21,7 @@ metatrain's to FP32 rounding, and forces differentiate the folded energy exactly
 :func:`swap_cartesian_transformers` gives a model's ``CartesianTransformer`` modules the
 class ``FoldedCartesianTransformer`` (parameters and state_dict keys unchanged). The
 calculator swaps them where PET's attention runs on tensor cores
-(:func:`ase_tcfp32.attention.on_tensor_cores`). metatrain's unfolded forward runs when
+(:func:`ase_tcfp32._attention.on_tensor_cores`). metatrain's unfolded forward runs when
 the model's parameters require gradients (training), under training's double backward,
 and inside ``torch.compile`` (which fuses the concatenation into its own kernels).
 """
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from .layers import TCLinear
-from .models import lazy_subclass, swap_class
+from ._swapping import lazy_subclass, swap_class
 
 
 class Folded(NamedTuple):
@@ -85,7 +85,7 @@ def compress(self, messages: torch.Tensor, vectors: torch.Tensor, distances: tor
     """The layer's edge tokens [..., d] (its ``compress`` applied to ``[edge_embedder([v,
     |v|]), neighbor_embedder(species), m]``) through its :func:`folded` weights, for the
     input ``messages`` [..., d], edge ``vectors`` [..., 3] (Å), their ``distances`` [...]
-    and the neighbours' ``species`` indices [...], in any layout of the slots (metatrain's
+    and the neighbors' ``species`` indices [...], in any layout of the slots (metatrain's
     [atoms, J] table or packed rows)."""
     fold, d = folded(self), messages.shape[-1]
     geometry = torch.cat([vectors, distances[..., None]], dim=-1).to(vectors.dtype).reshape(-1, 4)

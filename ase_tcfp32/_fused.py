@@ -7,7 +7,7 @@ computes ``w_out(v * sigmoid(g))`` with ``v, g = w_in(x).chunk(2, -1)``: six mem
 kernels per call, forward and backward, over PET's largest tensors (edge tokens times the
 feed-forward width). :func:`swap_feed_forwards` turns every such module of a model into a
 ``FusedFeedForward`` (the same module, parameters and state_dict keys; only its class
-changes) whose activation runs :mod:`ase_tcfp32.kernels.swiglu`: one pass forward, one
+changes) whose activation runs :mod:`ase_tcfp32._kernels.swiglu`: one pass forward, one
 backward, with the same FP32 arithmetic.
 
 Between GNN layers, metatrain's feed-forward featurizer normalises each message next to
@@ -15,10 +15,10 @@ its reverse pair's, ``LayerNorm(cat(o, o[reverse]))``: a gather, a ``cat``, the 
 backward the norm's gradient, a split and an ``index_add``, over tensors of edge tokens
 times 2 d_pet. :func:`swap_backends` turns a model's ``PETBackend`` into a
 ``FusedPETBackend`` whose featurizer runs that step through
-:mod:`ase_tcfp32.kernels.combination`: one pass forward, one backward.
+:mod:`ase_tcfp32._kernels.combination`: one pass forward, one backward.
 
 The calculator swaps them where it runs PET's attention on tensor cores
-(:func:`ase_tcfp32.attention.on_tensor_cores`): ``fp32`` and ``tf32`` keep metatrain's
+(:func:`ase_tcfp32._attention.on_tensor_cores`): ``fp32`` and ``tf32`` keep metatrain's
 code. Inside ``torch.compile`` and on CPU tensors (Triton's interpreter aside) both are
 metatrain's expressions, which the compiler fuses itself.
 """
@@ -28,20 +28,20 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from .kernels.context import INTERPRETED
-from .models import lazy_subclass, swap_class
+from ._kernels.context import INTERPRETED
+from ._swapping import lazy_subclass, swap_class
 
 
 def _kernels():
-    """:mod:`ase_tcfp32.kernels.swiglu`, imported on first use (Triton takes a while)."""
-    from .kernels import swiglu as kernels
+    """:mod:`ase_tcfp32._kernels.swiglu`, imported on first use (Triton takes a while)."""
+    from ._kernels import swiglu as kernels
 
     return kernels
 
 
 def _combination_kernels():
-    """:mod:`ase_tcfp32.kernels.combination`, imported on first use."""
-    from .kernels import combination
+    """:mod:`ase_tcfp32._kernels.combination`, imported on first use."""
+    from ._kernels import combination
 
     return combination
 
@@ -84,7 +84,7 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
 _classes, _feed_forward_getattr = lazy_subclass(
     __name__, "FusedFeedForward", "metatrain.pet.modules.transformer.FeedForward", forward=_forward,
     __doc__="metatrain's FeedForward with its SwiGLU in :func:`swiglu`.")  # fmt: skip
-"""metatrain's ``FeedForward`` and ``FusedFeedForward``, our subclass (:func:`ase_tcfp32.models.lazy_subclass`)."""
+"""metatrain's ``FeedForward`` and ``FusedFeedForward``, our subclass (:func:`ase_tcfp32._swapping.lazy_subclass`)."""
 
 
 def swap_feed_forwards(module: torch.nn.Module, enable: bool = True) -> list[str]:
@@ -151,7 +151,7 @@ _backend_classes, _backend_getattr = lazy_subclass(
 
 
 def __getattr__(attribute: str):
-    """Pickling finds either subclass here (:func:`ase_tcfp32.models.lazy_subclass`)."""
+    """Pickling finds either subclass here (:func:`ase_tcfp32._swapping.lazy_subclass`)."""
     return (_backend_getattr if attribute == "FusedPETBackend" else _feed_forward_getattr)(attribute)
 
 

@@ -2,7 +2,7 @@
 
 ``y[M, N] = x[M, K] @ w[N, K]^T (+ bias)`` with ``w`` pre-split into tensor-core words
 and stored K-major (``nn.Linear`` layout, as TF32 wgmma wants); ``x`` is split in
-registers with the bit rules of :mod:`ase_tcfp32.kernels.split`. The arithmetic is the
+registers with the bit rules of :mod:`ase_tcfp32._kernels.split`. The arithmetic is the
 one of ``reference.py``: in each K-tile the hi*hi product is formed in a fresh
 tensor-core accumulator and joins the FP32 running sum with one IEEE addition; the
 small (correction) products go into a second tensor-core accumulator that runs over

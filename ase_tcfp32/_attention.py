@@ -5,7 +5,7 @@ them per head, and calls torch's FP32 ``scaled_dot_product_attention`` with the 
 the cutoff weights as an additive mask. :func:`swap_attention_blocks` turns every such
 block of a model into a ``TCAttentionBlock`` (the same module, parameters and state_dict
 keys; only its class changes) whose forward sends the projection's output straight to
-the kernels of :mod:`ase_tcfp32.kernels.attention`, forward and backward (forces and
+the kernels of :mod:`ase_tcfp32._kernels.attention`, forward and backward (forces and
 stress differentiate through it), eagerly through an autograd Function and inside
 ``torch.compile`` as the custom op ``ase_tcfp32::attention``.
 
@@ -22,28 +22,28 @@ import warnings
 import torch
 from torch.autograd.function import once_differentiable
 
-from .kernels.context import INTERPRETED
-from .models import lazy_subclass, swap_class
+from ._kernels.context import INTERPRETED
+from ._swapping import lazy_subclass, swap_class
 from .precision import FP32_ACCURATE, triton_build_problem
 
 
 def _kernels():
-    """:mod:`ase_tcfp32.kernels.attention`, imported on first use (Triton takes a while)."""
-    from .kernels import attention
+    """:mod:`ase_tcfp32._kernels.attention`, imported on first use (Triton takes a while)."""
+    from ._kernels import attention
 
     return attention
 
 
 @torch.library.custom_op("ase_tcfp32::attention", mutates_args=())
 def _attention_op(qkv: torch.Tensor, mask: torch.Tensor, heads: int, scale: float) -> torch.Tensor:
-    """:func:`ase_tcfp32.kernels.attention.forward`, opaque to ``torch.compile``."""
+    """:func:`ase_tcfp32._kernels.attention.forward`, opaque to ``torch.compile``."""
     return _kernels().forward(qkv, mask, heads, scale)
 
 
 @torch.library.custom_op("ase_tcfp32::attention_backward", mutates_args=())
 def _attention_backward_op(grad_out: torch.Tensor, qkv: torch.Tensor, mask: torch.Tensor, heads: int,
                            scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """:func:`ase_tcfp32.kernels.attention.backward`, opaque to ``torch.compile``."""
+    """:func:`ase_tcfp32._kernels.attention.backward`, opaque to ``torch.compile``."""
     return _kernels().backward(grad_out, qkv, mask, heads, scale)
 
 
@@ -94,7 +94,7 @@ def tc_attention(qkv: torch.Tensor, mask: torch.Tensor, heads: int, scale: float
     heads (-inf drops a key). Returns ``softmax(scale * q k^T + mask) v`` as [B, T, H*D]
     (heads side by side: what PET's output projection reads), differentiable with
     respect to ``qkv`` and ``mask``. float32 CUDA tensors (or CPU tensors under Triton's
-    interpreter); T at most :func:`ase_tcfp32.kernels.attention.max_tokens` (128 for
+    interpreter); T at most :func:`ase_tcfp32._kernels.attention.max_tokens` (128 for
     heads of up to 32, 64 for heads of up to 64).
     """
     if qkv.dtype != torch.float32 or mask.dtype != torch.float32:
@@ -125,11 +125,11 @@ class _PackedAttentionFunction(torch.autograd.Function):
 def tc_attention_packed(qkv: torch.Tensor, node_qkv: torch.Tensor, bias: torch.Tensor, sequences, heads: int,
                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """:func:`tc_attention` on sequences stored without padding (PET's packed rows,
-    :mod:`ase_tcfp32.packed`): atom a attends over its centre token (``node_qkv`` [N,
-    3*H*D], row a) and its neighbours' tokens (``qkv`` [E, 3*H*D], the rows ``sequences``
-    gives it: :class:`ase_tcfp32.kernels.attention.Sequences`), with an additive ``bias``
-    [E] per neighbour token as key (the centre token's is 0). Returns the outputs of the
-    neighbour tokens [E, H*D] and of the centre tokens [N, H*D], differentiable with
+    :mod:`ase_tcfp32._packed`): atom a attends over its center token (``node_qkv`` [N,
+    3*H*D], row a) and its neighbors' tokens (``qkv`` [E, 3*H*D], the rows ``sequences``
+    gives it: :class:`ase_tcfp32._kernels.attention.Sequences`), with an additive ``bias``
+    [E] per neighbor token as key (the center token's is 0). Returns the outputs of the
+    neighbor tokens [E, H*D] and of the center tokens [N, H*D], differentiable with
     respect to ``qkv``, ``node_qkv`` and ``bias``; float32 CUDA tensors (or CPU tensors
     under Triton's interpreter); other tensors, and sequences longer than the kernels take
     (with a warning), take the same sequences padded, in torch
@@ -183,7 +183,7 @@ def _forward(self, x: torch.Tensor, cutoff_factors: torch.Tensor, use_manual_att
 _classes, __getattr__ = lazy_subclass(
     __name__, "TCAttentionBlock", "metatrain.pet.modules.transformer.AttentionBlock", _warned_fallback=False,
     forward=_forward, __doc__="metatrain's AttentionBlock with its attention in :func:`tc_attention`.")  # fmt: skip
-"""metatrain's ``AttentionBlock`` and ``TCAttentionBlock``, our subclass (:func:`ase_tcfp32.models.lazy_subclass`)."""
+"""metatrain's ``AttentionBlock`` and ``TCAttentionBlock``, our subclass (:func:`ase_tcfp32._swapping.lazy_subclass`)."""
 
 
 def on_tensor_cores(precision: str, device: torch.device | str) -> bool:

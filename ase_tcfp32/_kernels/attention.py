@@ -1,7 +1,7 @@
 """FP32-accurate attention on tensor cores for PET's short sequences (Triton).
 
 PET's transformer attends, for each of B atoms, over T = J + 1 tokens (the atom and its J
-neighbour slots: ~25-50) in H heads of width D (PET-S 8 x 32, PET-M 8 x 48), with an
+neighbor slots: ~25-50) in H heads of width D (PET-S 8 x 32, PET-M 8 x 48), with an
 additive mask [B, T, T] shared by the heads (the log of the cutoff weights). Torch's FP32
 ``scaled_dot_product_attention`` runs CUTLASS's sm80 memory-efficient kernel on 64 x 64
 tiles, one (atom, head) per tile.
@@ -188,7 +188,7 @@ def _fit_blocks(counts_ptr, order_ptr, blocks_ptr, B, T, slots, CHUNK: tl.conste
 def _packed_block(bias_ptr, first_ptr, counts_ptr, order_ptr, p0, atoms, T, BLOCK: tl.constexpr):
     """The block of the packed sequences of atoms ``order[p0 .. p0 + atoms - 1]``, one after
     the other (:func:`fit_blocks`): for each of its BLOCK token slots, the atom, the edge row
-    of a neighbour token, whether the slot is real and whether it is the atom's centre token;
+    of a neighbor token, whether the slot is real and whether it is the atom's center token;
     and the scores' bias [BLOCK, BLOCK]."""
     r = tl.arange(0, BLOCK)
     # each slot's sequence, atom and first slot, sequence by sequence (elementwise: the slots keep the layout
@@ -206,20 +206,20 @@ def _packed_block(bias_ptr, first_ptr, counts_ptr, order_ptr, p0, atoms, T, BLOC
 
 
 @triton.jit
-def _key_bias(bias_ptr, edge, real, centre, seq):
-    """The additive mask [BLOCK, BLOCK] of a packed block: each key's bias (0 for a centre
+def _key_bias(bias_ptr, edge, real, center, seq):
+    """The additive mask [BLOCK, BLOCK] of a packed block: each key's bias (0 for a center
     token) within its sequence, -inf elsewhere, 0 on padding rows."""
-    key = tl.load(bias_ptr + edge, mask=real & (centre == 0), other=0.0)
+    key = tl.load(bias_ptr + edge, mask=real & (center == 0), other=0.0)
     same = (seq[:, None] == seq[None, :]) & real[:, None] & real[None, :]
     bias = tl.where(same, key[None, :], float("-inf"))
     return tl.where(real[:, None], bias, 0.0)
 
 
 @triton.jit
-def _rows(edge_ptr, node_ptr, atom, edge, centre, width: tl.constexpr):
+def _rows(edge_ptr, node_ptr, atom, edge, center, width: tl.constexpr):
     """Pointers [BLOCK, 1] to the rows of a packed block's tokens in row-major tensors of
-    ``width`` columns: a centre token's row of the nodes' tensor, a neighbour's of the edges'."""
-    return tl.where(centre[:, None], node_ptr + atom[:, None] * width, edge_ptr + edge[:, None] * width)
+    ``width`` columns: a center token's row of the nodes' tensor, a neighbor's of the edges'."""
+    return tl.where(center[:, None], node_ptr + atom[:, None] * width, edge_ptr + edge[:, None] * width)
 
 
 @triton.jit
@@ -336,9 +336,9 @@ def _packed_forward(qkv_ptr, node_qkv_ptr, bias_ptr, first_ptr, counts_ptr, orde
     if pid < slots:
         a0, atoms = tl.load(blocks_ptr + 2 * pid), tl.load(blocks_ptr + 2 * pid + 1)
         if atoms > 0:
-            atom, edge, real, centre, bias = _packed_block(bias_ptr, first_ptr, counts_ptr, order_ptr, a0, atoms, T, BLOCK)
-            _forward_heads(_rows(qkv_ptr, node_qkv_ptr, atom, edge, centre, 3 * C),
-                           _rows(out_ptr, node_out_ptr, atom, edge, centre, C), real, bias, scale, H, D, DA, DB, STAGES)  # fmt: skip
+            atom, edge, real, center, bias = _packed_block(bias_ptr, first_ptr, counts_ptr, order_ptr, a0, atoms, T, BLOCK)
+            _forward_heads(_rows(qkv_ptr, node_qkv_ptr, atom, edge, center, 3 * C),
+                           _rows(out_ptr, node_out_ptr, atom, edge, center, C), real, bias, scale, H, D, DA, DB, STAGES)  # fmt: skip
     else:  # the edge rows past the real ones
         _zero_tail(out_ptr, total_ptr, E, (pid - slots).to(tl.int64) * BLOCK, C, BLOCK)
 
@@ -353,16 +353,16 @@ def _packed_backward(qkv_ptr, node_qkv_ptr, bias_ptr, first_ptr, counts_ptr, ord
     if pid < slots:
         a0, atoms = tl.load(blocks_ptr + 2 * pid), tl.load(blocks_ptr + 2 * pid + 1)
         if atoms > 0:
-            atom, edge, real, centre, bias = _packed_block(bias_ptr, first_ptr, counts_ptr, order_ptr, a0, atoms, T, BLOCK)
-            inputs = _rows(qkv_ptr, node_qkv_ptr, atom, edge, centre, 3 * C)
-            grad_outputs = _rows(grad_out_ptr, node_grad_out_ptr, atom, edge, centre, C)
-            grad_inputs = _rows(grad_qkv_ptr, node_grad_qkv_ptr, atom, edge, centre, 3 * C)
+            atom, edge, real, center, bias = _packed_block(bias_ptr, first_ptr, counts_ptr, order_ptr, a0, atoms, T, BLOCK)
+            inputs = _rows(qkv_ptr, node_qkv_ptr, atom, edge, center, 3 * C)
+            grad_outputs = _rows(grad_out_ptr, node_grad_out_ptr, atom, edge, center, C)
+            grad_inputs = _rows(grad_qkv_ptr, node_grad_qkv_ptr, atom, edge, center, 3 * C)
             # each key's bias is shared by its sequence's queries: the sums of its columns, over the heads
             grad_bias = tl.zeros((BLOCK,), dtype=tl.float32)
             for h in tl.range(0, H, num_stages=STAGES):
                 grad_bias = _backward_head(inputs, grad_outputs, grad_inputs, real, bias, scale, h, grad_bias, C, D, DP,
                                            True)  # fmt: skip
-            tl.store(grad_bias_ptr + edge, grad_bias, mask=real & (centre == 0))
+            tl.store(grad_bias_ptr + edge, grad_bias, mask=real & (center == 0))
     else:
         start = (pid - slots).to(tl.int64) * BLOCK
         _zero_tail(grad_qkv_ptr, total_ptr, E, start, 3 * C, BLOCK)
@@ -456,8 +456,8 @@ def backward(grad_out: torch.Tensor, qkv: torch.Tensor, mask: torch.Tensor, head
 
 
 class Sequences(NamedTuple):
-    """Where packed sequences lie (:func:`forward_packed`): atom a's sequence is its centre
-    token (row a of the nodes' tensors) and its ``counts[a]`` neighbour tokens, edge rows
+    """Where packed sequences lie (:func:`forward_packed`): atom a's sequence is its center
+    token (row a of the nodes' tensors) and its ``counts[a]`` neighbor tokens, edge rows
     ``first[a] .. first[a] + counts[a] - 1``; the edge rows from ``total`` on hold no token."""
 
     first: torch.Tensor  # [N] int64
@@ -540,11 +540,11 @@ def forward_packed(qkv: torch.Tensor, node_qkv: torch.Tensor, bias: torch.Tensor
                    scale: float, launch: dict | None = None,
                    blocks: Blocks | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """:func:`forward` on sequences of different lengths, stored without padding: the
-    queries, keys and values of the edge tokens ``qkv`` [E, 3*H*D] and of the atoms' centre
-    tokens ``node_qkv`` [N, 3*H*D], a bias [E] per edge token as key (0 for the centre
+    queries, keys and values of the edge tokens ``qkv`` [E, 3*H*D] and of the atoms' center
+    tokens ``node_qkv`` [N, 3*H*D], a bias [E] per edge token as key (0 for the center
     tokens; -inf drops a key), all float32 and contiguous, and the sequences' rows
     ``sequences``. Returns the outputs of the edge tokens [E, H*D] (zero in the rows from
-    ``sequences.total`` on) and of the centre tokens [N, H*D]. The kernels' blocks are
+    ``sequences.total`` on) and of the center tokens [N, H*D]. The kernels' blocks are
     ``blocks`` (:func:`packed_blocks`, fitted here when not given), whole sequences one after
     the other (the mask of atom a's scores: ``bias`` of its real tokens, -inf elsewhere)."""
     head_dim, grid, constants, blocks = _packed_launch(qkv, node_qkv, bias, sequences, heads, launch, False, blocks)

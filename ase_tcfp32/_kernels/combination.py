@@ -1,9 +1,9 @@
 """PET's message combination between GNN layers in one pass each way (Triton).
 
-After each GNN layer, metatrain's feed-forward featurizer gives every neighbour slot p the
+After each GNN layer, metatrain's feed-forward featurizer gives every neighbor slot p the
 message of its reverse slot r(p) (the pair j -> i of the pair i -> j) and normalises both
 side by side: ``y = LayerNorm(cat(o, o[r]))`` for the layer's edge outputs ``o`` [P, D]
-(P = atoms x neighbour slots). Eagerly that is a gather, a ``cat`` and the norm forward,
+(P = atoms x neighbor slots). Eagerly that is a gather, a ``cat`` and the norm forward,
 and the norm's backward, the ``cat``'s split and an ``index_add`` backward: passes over
 P x 2D floats each (1.4 GB per tensor with PET-S at 17,280 water atoms). Here the
 forward reads ``o`` twice (its rows and their reverses) and writes ``y`` with each row's
@@ -12,7 +12,7 @@ and writes ``do``.
 
 The backward needs ``r`` to be an involution (``r[r[p]] == p`` for every slot, padding
 included: PET's reverse pairs are symmetric, and a padding slot is its own reverse, see
-:func:`ase_tcfp32.fused.combine_messages`). Then the gradient of ``o[p]`` is the first
+:func:`ase_tcfp32._fused.combine_messages`). Then the gradient of ``o[p]`` is the first
 half of ``dx`` of row p plus the second half of ``dx`` of row r(p), both computed by the
 program of the orbit's first slot, with no atomic additions.
 

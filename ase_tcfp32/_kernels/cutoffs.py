@@ -6,7 +6,7 @@ then attaches gradients with one implicit-function step (``get_adaptive_cutoffs_
 in ``metatrain/pet/modules/adaptive_cutoff.py``). Each iteration is ~20 elementwise
 kernels and two scatter-adds over all pairs: 37 ms of a 281 ms fp16x3 step of 17,280
 water atoms (PET-S shape, 4.4 million pairs within 8.5 Å; measured on H200). Here the
-pairs are sorted by centre atom (as :func:`ase_tcfp32.lean.build_pairs` keeps them), so
+pairs are sorted by center atom (as :func:`ase_tcfp32._neighbors.build_pairs` keeps them), so
 one program per atom runs all iterations over its own pairs, which stay in cache: the
 same formulas in FP32, summed in another order. The implicit-function step stays in
 torch (:func:`adaptive_cutoffs`), so gradients are metatrain's.
@@ -36,7 +36,7 @@ def _tanh(x):
 
 @triton.jit
 def _counts(distances_ptr, start, end, r, width, slope, CHUNK: tl.constexpr):
-    """The atom's smooth neighbour count sum_j bump(d_j, r, w) and its r-derivative."""
+    """The atom's smooth neighbor count sum_j bump(d_j, r, w) and its r-derivative."""
     n = tl.zeros((), tl.float32)
     dn = tl.zeros((), tl.float32)
     for k in range(start, end, CHUNK):
@@ -79,8 +79,8 @@ def _solver_kernel(distances_ptr, first_ptr, r_ptr, dn_ptr, width, slope, max_cu
 
 def solve(distances: torch.Tensor, first: torch.Tensor, target: float, max_cutoff: float,
           width: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Each atom's root r [N] of the smooth neighbour count and dn/dr there [N] (no
-    gradients), for the float32 pair ``distances`` [E] sorted by centre atom, atom a's
+    """Each atom's root r [N] of the smooth neighbor count and dn/dr there [N] (no
+    gradients), for the float32 pair ``distances`` [E] sorted by center atom, atom a's
     pairs being ``first[a] .. first[a+1] - 1`` (``first`` [N + 1] int64)."""
     atoms = first.numel() - 1
     r, dn = (torch.empty(atoms, device=distances.device, dtype=torch.float32) for _ in range(2))
@@ -104,7 +104,7 @@ def _(distances, first, target, max_cutoff, width):
 
 def adaptive_cutoffs(centers: torch.Tensor, distances: torch.Tensor, first: torch.Tensor, target: float,
                      max_cutoff: float, width: float, bump) -> torch.Tensor:  # fmt: skip
-    """metatrain's adaptive cutoffs [N] (Å) of the pairs' centre atoms, differentiable
+    """metatrain's adaptive cutoffs [N] (Å) of the pairs' center atoms, differentiable
     through ``distances`` [E] (float32, sorted by ``centers`` [E], see :func:`solve`):
     :func:`solve`'s root, then metatrain's implicit-function step with ``bump``
     (its ``cutoff_func_bump``), clamped to [max_cutoff / 16, max_cutoff]."""

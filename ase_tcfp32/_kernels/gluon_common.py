@@ -1,8 +1,8 @@
 """Gluon building blocks of our Hopper (sm_90) kernels: TMA descriptors, the tile order,
 and the shared-memory ring that a producer fills and consumers drain.
 
-Used by the fp16x3 kernel (:mod:`ase_tcfp32.kernels.fp16x3`) and by the experimental Gluon
-tf32x3 kernel (:mod:`ase_tcfp32.kernels.gluon_tf32x3`).
+Used by the fp16x3 kernel (:mod:`ase_tcfp32._kernels.fp16x3`) and by the experimental Gluon
+tf32x3 kernel (``benchmarks/experiments/gluon_tf32x3.py``).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ def device_key(device: torch.device) -> str:
     """The GPU model and the software whose choices a tuned configuration reflects."""
     import triton
 
-    from .. import __version__
+    from .._version import __version__
 
     major, minor = torch.cuda.get_device_capability(device)
     return f"{torch.cuda.get_device_name(device)}|sm{major}{minor}|triton {triton.__version__}|ase-tcfp32 {__version__}"
@@ -145,7 +145,7 @@ def tuned_gemm(kernel: str, n: int, k: int, device: torch.device, candidates: li
         run, x = launcher(config), operand()
         return do_bench(lambda: run(x), warmup=5, rep=25, return_mode="median")
 
-    from ..progress import doing
+    from .._progress import doing
 
     with doing(f"tuning the {kernel} GEMM of a {k} -> {n} layer"):
         return tuned(f"{device_key(device)}|{kernel}|n={n}|k={k}", candidates, measure)

@@ -1,17 +1,17 @@
-"""PET on packed rows: each atom's real neighbours only, no neighbour-table padding.
+"""PET on packed rows: each atom's real neighbors only, no neighbor-table padding.
 
-metatrain's PET works on an [atoms, J] table of neighbour slots, J being the largest
-neighbour count; every edge GEMM, norm, feed-forward and message combination runs on the
+metatrain's PET works on an [atoms, J] table of neighbor slots, J being the largest
+neighbor count; every edge GEMM, norm, feed-forward and message combination runs on the
 padding slots too. In water at 17,280 atoms only 77% of PET-S's slots are real (counts
 24-39 for a table of 41 columns; 81% with PET-M's), so about a quarter of the edge work
 is spent on zeros.
 
-Here the edge tensors are [E, d]: the kept pairs, atom by atom (a centre atom's
-neighbours in consecutive rows, :class:`Packed`), in a buffer of fixed capacity whose
-rows past the real ones hold nothing. The centre tokens stay in their own [N, d]
+Here the edge tensors are [E, d]: the kept pairs, atom by atom (a center atom's
+neighbors in consecutive rows, :class:`Packed`), in a buffer of fixed capacity whose
+rows past the real ones hold nothing. The center tokens stay in their own [N, d]
 tensors: the transformer layers run their per-token modules on both, and only the
-attention (:func:`ase_tcfp32.attention.tc_attention_packed`) reads an atom's centre
-token next to its neighbours' rows. The modules are metatrain's (and the model's swapped
+attention (:func:`ase_tcfp32._attention.tc_attention_packed`) reads an atom's center
+token next to its neighbors' rows. The modules are metatrain's (and the model's swapped
 ones: tensor-core Linear layers, fused SwiGLU, message combination, folded compression),
 called in metatrain's order; only the layout of their rows differs. The padding slots of
 metatrain's table weigh 1e-15 in its attention (the cutoff factors are clamped there)
@@ -19,7 +19,7 @@ and none here, so float64 results agree to ~1e-15 relative (``tests/test_packed.
 
 Supported: feed-forward featurizers (every PET-MAD and uPET model) with PreLN or PostLN
 transformer layers, and no system conditioning, evaluated with the attention on tensor
-cores (:func:`ase_tcfp32.attention.on_tensor_cores`): :func:`unsupported_reason`.
+cores (:func:`ase_tcfp32._attention.on_tensor_cores`): :func:`unsupported_reason`.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from typing import NamedTuple
 
 import torch
 
-from .attention import tc_attention_packed
-from .folded import compress
-from .fused import combine_messages
-from .models import Recomputed
+from ._attention import tc_attention_packed
+from ._folded import compress
+from ._fused import combine_messages
+from ._swapping import Recomputed
 
 
 class Packed(NamedTuple):
@@ -39,13 +39,13 @@ class Packed(NamedTuple):
 
     species: torch.Tensor  # [N] int64: the atoms' species indices
     neighbor_species: torch.Tensor  # [R] int64 (0 in the padding rows)
-    vectors: torch.Tensor  # [R, 3] Å, centre to neighbour (0 in the padding rows)
+    vectors: torch.Tensor  # [R, 3] Å, center to neighbor (0 in the padding rows)
     distances: torch.Tensor  # [R] Å, their lengths (as metatrain's table: sqrt(|v|² + 1e-15))
     factors: torch.Tensor  # [R] cutoff factors (0 in the padding rows)
-    centers: torch.Tensor  # [R] int64: each row's centre atom (0 in the padding rows)
+    centers: torch.Tensor  # [R] int64: each row's center atom (0 in the padding rows)
     real: torch.Tensor  # [R] bool
     reverse: torch.Tensor  # [R] int64: the row of the reverse pair (a padding row: itself)
-    sequences: object  # ase_tcfp32.kernels.attention.Sequences: each atom's rows
+    sequences: object  # ase_tcfp32._kernels.attention.Sequences: each atom's rows
 
 
 def unsupported_reason(pet: torch.nn.Module) -> str | None:
@@ -67,8 +67,8 @@ def _inner(layer: torch.nn.Module) -> torch.nn.Module:
 
 def _attention(block: torch.nn.Module, edges: torch.Tensor, nodes: torch.Tensor, factors: torch.Tensor,
                sequences) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """metatrain's ``AttentionBlock`` on the edge tokens [R, d] and centre tokens [N, d],
-    the edges' cutoff ``factors`` [R] weighting them as keys (the centre tokens': 1)."""
+    """metatrain's ``AttentionBlock`` on the edge tokens [R, d] and center tokens [N, d],
+    the edges' cutoff ``factors`` [R] weighting them as keys (the center tokens': 1)."""
     scale = 1.0 / (block.head_dim**0.5 * block.temperature)
     bias = torch.log(torch.clamp(factors, block.epsilon))
     out, node_out = tc_attention_packed(block.input_linear(edges), block.input_linear(nodes), bias, sequences,
@@ -80,25 +80,25 @@ def _transformer_layer(layer: torch.nn.Module, nodes: torch.Tensor, edges: torch
                        sequences) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """metatrain's ``TransformerLayer`` (PreLN or PostLN) on packed rows: its token
     ``cat`` and ``split`` become two tensors that only the attention reads together."""
-    centre = layer.center_contraction(nodes)
+    center = layer.center_contraction(nodes)
     if layer.transformer_type == "PreLN":
-        new_edges, new_centre = _attention(layer.attention, layer.norm_attention(edges), layer.norm_attention(centre),
+        new_edges, new_center = _attention(layer.attention, layer.norm_attention(edges), layer.norm_attention(center),
                                            factors, sequences)  # fmt: skip
         edges = edges + new_edges
         edges = edges + layer.mlp(layer.norm_mlp(edges))
     else:
-        new_edges, new_centre = _attention(layer.attention, edges, centre, factors, sequences)
-        edges, new_centre = layer.norm_attention(edges + new_edges), layer.norm_attention(centre + new_centre)
-        edges, new_centre = layer.norm_mlp(edges + layer.mlp(edges)), layer.norm_mlp(new_centre + layer.mlp(new_centre))
+        new_edges, new_center = _attention(layer.attention, edges, center, factors, sequences)
+        edges, new_center = layer.norm_attention(edges + new_edges), layer.norm_attention(center + new_center)
+        edges, new_center = layer.norm_mlp(edges + layer.mlp(edges)), layer.norm_mlp(new_center + layer.mlp(new_center))
     if layer.expanded_node_features:
-        nodes = nodes + layer.center_expansion(new_centre)
+        nodes = nodes + layer.center_expansion(new_center)
         return nodes + layer.center_mlp(layer.norm_center_features(nodes)), edges
-    return new_centre, edges
+    return new_center, edges
 
 
 def _gnn_layer(layer: torch.nn.Module, nodes: torch.Tensor, messages: torch.Tensor, packed: Packed) -> tuple:
     """metatrain's ``CartesianTransformer`` on packed rows, its compression folded
-    (:mod:`ase_tcfp32.folded`): the nodes [N, d_node] and edge messages [R, d] out."""
+    (:mod:`ase_tcfp32._folded`): the nodes [N, d_node] and edge messages [R, d] out."""
     edges = compress(layer, messages, packed.vectors, packed.distances, packed.neighbor_species)
     for transformer_layer in layer.trans.layers:
         nodes, edges = _transformer_layer(transformer_layer, nodes, edges, packed.factors, packed.sequences)

@@ -1,7 +1,7 @@
 """What a long first evaluation is doing, shown once it has lasted :data:`DELAY` seconds.
 
 The first evaluation of a calculator compiles GPU kernels, tunes each layer's GEMM
-configuration (once per machine: :mod:`ase_tcfp32.kernels.autotune`), records CUDA graphs
+configuration (once per machine: :mod:`ase_tcfp32._kernels.autotune`), records CUDA graphs
 and, with ``compile=True``, runs ``torch.compile``: seconds to minutes on a fresh machine.
 While it runs past :data:`DELAY` seconds, standard error says for how long and what is going
 on: a status line redrawn in place (tqdm) on a terminal or in Jupyter, plain lines in a log

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from . import progress
+from . import _progress as progress
 
 _DYNAMO_OPTIONS = dict(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True, specialize_int=True)
 """What PET's data-dependent shapes need (metatrain's own torch.compile recipe)."""

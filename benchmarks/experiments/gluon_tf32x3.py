@@ -1,9 +1,9 @@
 """TF32x3 GEMM for Hopper written in Gluon (Triton's explicit-layout dialect): EXPERIMENTAL.
 
 No precision runs this kernel (tf32x3 runs the Triton kernel, fp16x3 its own Gluon kernel);
-only ``benchmarks/experiments/gluon_variants.py`` and the GPU tests use it.
+only ``gluon_variants.py`` and ``compile_sm90.py`` in this folder use it.
 
-Same arithmetic as :mod:`ase_tcfp32.kernels.triton_gemm` (per K-tile: hi*B_hi in a fresh
+Same arithmetic as :mod:`ase_tcfp32._kernels.triton_gemm` (per K-tile: hi*B_hi in a fresh
 tensor-core accumulator joining the FP32 sum with one IEEE addition; lo*B_hi and hi_c*B_lo
 in a corrections accumulator over all of K, added at the end), scheduled by hand: the three
 products of a K-tile are issued back to back as asynchronous wgmma groups, and one wait
@@ -17,7 +17,7 @@ variant at 4 stages 1.55-1.88x cuBLAS FP32 on the 17,280-atom PET-S shapes, the 
 kernel 1.44-1.80x in the same runs (about 3% apart on average, at the same error), so the
 Triton kernel stays the tf32x3 default. Compiled offline, ptxas serialises this kernel's
 wgmma (a full wait after each one) like the Triton kernel's (``docs/kernel_notes.md``).
-Its building blocks shared with the fp16x3 kernel are in :mod:`.gluon_common`.
+Its building blocks shared with the fp16x3 kernel are in ``ase_tcfp32/_kernels/gluon_common.py``.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .context import on_device
-from .gluon_common import copy_stage, descriptor, load_stage, ring, tile_offsets, tma_ready
-from .triton_gemm import Gemm, TritonBackend, _split_tf32, tile_config
+from ase_tcfp32._kernels.context import on_device
+from ase_tcfp32._kernels.gluon_common import copy_stage, descriptor, load_stage, ring, tile_offsets, tma_ready
+from ase_tcfp32._kernels.triton_gemm import Gemm, TritonBackend, _split_tf32, tile_config
 
 
 @gluon.jit

@@ -3,7 +3,7 @@
 ``y[M, N] = x[M, K] @ w[N, K]^T (+ bias)``, each FP32 operand written as ``2^-a (hi + lo)``
 with FP16 words ``hi``, ``lo`` and one power of two ``2^a`` per row (of ``w`` once, of
 ``x`` per K-tile) that puts the row's maximum at the top of FP16's range
-(:func:`ase_tcfp32.kernels.split.scale_rows`). Per K-tile, ``lo*w_hi + hi*w_lo +
+(:func:`ase_tcfp32._kernels.split.scale_rows`). Per K-tile, ``lo*w_hi + hi*w_lo +
 hi*w_hi`` (lo*lo dropped) go into a fresh tensor-core accumulator, which joins the FP32
 sum with one multiply-add by the rows' ``2^-a``; the weight's scale is undone at the end.
 FP16 tensor cores run twice as fast as TF32 ones, so the three products cost what 1.5

@@ -1,0 +1,114 @@
+"""The engines that evaluate a prepared PET, their one interface, and the choice among them.
+
+Every engine implements :class:`Engine`: ``compute(structures, properties)`` returns one
+dict of results per structure. :func:`make_engine` builds the one a calculator asked for
+(``engine="auto"``: :func:`choose_engine`) with its neighbor-list skin and CUDA-graph policy:
+
+- ``"lean"``: :class:`ase_tcfp32._lean.LeanPET`, the model on plain tensors with static
+  shapes (on packed rows where our attention runs);
+- ``"graphs"``: the same, its step recorded as a CUDA graph and replayed;
+- ``"metatomic"``: :class:`ase_tcfp32._metatomic.MetatomicEngine`, metatomic-ase's
+  calculator around the exported model.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Collection, Protocol
+
+import torch
+from ase import Atoms
+
+from ._lean import LeanPET, unsupported_reason
+from ._packed import unsupported_reason as packed_problem
+
+
+PROPERTIES = ("energy", "energies", "forces", "stress")
+"""What an engine computes (and what :meth:`Engine.compute` may be asked for)."""
+
+
+class Engine(Protocol):
+    """What the calculator asks of an engine."""
+
+    def compute(self, structures: list[Atoms], properties: Collection[str]) -> list[dict]:
+        """Per structure, float64 results in ASE units: ``energy`` (eV), ``energies`` [n]
+        (eV), ``forces`` [n, 3] (eV/Å) and, when ``"stress"`` is among ``properties``,
+        ``stress`` [3, 3] (eV/Å³, positive under tension) of each 3D-periodic structure."""
+
+
+ENGINES = ("auto", "metatomic", "lean", "graphs")
+"""How the calculator evaluates the model (see :class:`ase_tcfp32.TCPETCalculator`)."""
+
+GRAPH_ATOMS = 8192
+"""``engine="auto"`` replays CUDA graphs for systems (or batches) up to this many atoms.
+Small systems are bound by kernel launches, which a graph removes (192 water atoms, PET-S
+shape, fp16x3 on an H200: 8.5 ms per MD step against 68.9 ms through metatomic-ase; 32 beads
+of it, 6,144 atoms, through i-PI: 137.0 ms per step against 154.9 ms with plain launches);
+large ones keep the GPU busy anyway (not measured between 6,144 and 17,280 atoms), and a
+graph would only hold its memory."""
+
+SMALL_SKIN, LARGE_SKIN = 2.0, 0.5
+"""``engine="auto"``'s Verlet skin (Å) for systems whose step replays a CUDA graph (up to
+:data:`GRAPH_ATOMS` atoms) and for the others (larger systems, and every system on a CPU):
+a graph's step costs its kernel count, not its pairs, and a wide skin rebuilds the list
+rarely; elsewhere every candidate pair costs work (17,280 water atoms: 2 Å holds ~2x the
+pairs of the cutoff sphere; 192 atoms on a CPU, lean engine, interleaved runs: 0.5 Å a few
+percent faster per MD step than 2 Å with the demo model and PET-S, rebuilds included)."""
+
+
+def choose_engine(pet: torch.nn.Module, device: torch.device, low_memory: bool) -> tuple[str, str]:
+    """What ``engine="auto"`` runs for this model on ``device``, and why, in words."""
+    reason = unsupported_reason(pet)
+    if reason is not None:
+        return "metatomic", f"the lean engine cannot evaluate this model ({reason})"
+    return choose_engine_for(device, low_memory)
+
+
+def choose_engine_for(device: torch.device | str, low_memory: bool = False) -> tuple[str, str]:
+    """:func:`choose_engine` for a model the lean engine can evaluate (PET-MAD and the uPETs)."""
+    if torch.device(device).type != "cuda":
+        return "lean", (f"the model on plain tensors, neighbour skin {LARGE_SKIN} Å: on a CPU as fast per step as "
+                        "metatomic-ase and about twice as quick to its first step (docs/usage.md)")  # fmt: skip
+    if low_memory:
+        return "lean", f"low_memory=True: recomputed layers, no CUDA graphs, neighbour skin {LARGE_SKIN} Å"
+    return "lean", (f"CUDA graphs for systems up to {GRAPH_ATOMS} atoms (neighbour skin {SMALL_SKIN} Å), "
+                    f"plain launches above (skin {LARGE_SKIN} Å)")  # fmt: skip
+
+
+def check_engine(engine: str, device: torch.device, low_memory: bool) -> None:
+    """A clear error for an engine that cannot run as asked (before any model is loaded)."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}: use one of {', '.join(ENGINES)}")
+    if engine == "graphs" and low_memory:
+        raise ValueError("low_memory=True is not supported with engine='graphs' (graphs are for small systems)")
+    if engine == "graphs" and device.type != "cuda":
+        raise ValueError(f"engine='graphs' records CUDA graphs and needs a CUDA device, not '{device}'")
+
+
+def make_engine(pet: torch.nn.Module, device: torch.device, engine: str = "auto", *, neighbor_skin: float | None = None,
+                low_memory: bool = False, compile: bool = False, check_every: int = 0,
+                packed: bool = False) -> tuple[Engine, str, str]:  # fmt: skip
+    """The engine ``engine`` (one of :data:`ENGINES`) for the prepared ``pet`` on ``device``,
+    the name of the one it runs, and why, in words.
+
+    :param neighbor_skin: Verlet skin (Å); default :data:`SMALL_SKIN`, and with
+        ``engine="auto"`` :data:`SMALL_SKIN` where the step replays a CUDA graph and
+        :data:`LARGE_SKIN` elsewhere.
+    :param packed: PET's attention runs on our kernels: the lean engines evaluate it on
+        packed rows (:mod:`ase_tcfp32._packed`) unless the model is compiled.
+    """
+    check_engine(engine, device, low_memory)
+    used, reason = choose_engine(pet, device, low_memory) if engine == "auto" else (engine, "chosen by the caller")
+    replays = engine == "auto" and device.type == "cuda" and not low_memory
+    pair_bound = engine == "auto" and not replays  # a CPU, low_memory: every candidate pair costs work
+    skin = (LARGE_SKIN if pair_bound else SMALL_SKIN) if neighbor_skin is None else neighbor_skin
+    if used == "metatomic":
+        from ._metatomic import MetatomicEngine
+
+        return MetatomicEngine(pet, device, skin), used, reason
+    graph_atoms, large_skin = (sys.maxsize if used == "graphs" else 0), None
+    if replays:
+        graph_atoms, large_skin = GRAPH_ATOMS, (LARGE_SKIN if neighbor_skin is None else neighbor_skin)
+    packed = packed and not compile and packed_problem(pet) is None
+    lean = LeanPET(pet, device, skin, graph_atoms, large_skin, compile=compile, check_every=check_every, packed=packed)
+    return lean, used, reason

@@ -1,0 +1,359 @@
+"""PET on plain tensors with static shapes: the calculator's fast path for MD.
+
+The metatomic path rebuilds everything every step: ASE-side neighbor lists, metatomic
+``System`` and ``TensorMap`` objects, and metatrain's neighbor table, whose width (the
+largest neighbor count) is read back to the host. Here instead:
+
+- the candidate pairs within ``cutoff + skin`` come from a Verlet list on the model's
+  device (:mod:`ase_tcfp32._neighbors`), in a buffer of fixed capacity sorted by center atom;
+- each step, on the device only: edge vectors, PET's adaptive per-atom cutoffs (metatrain's
+  solver; on CUDA its iterations run in one kernel of ours, :mod:`ase_tcfp32._kernels.cutoffs`),
+  and the [atoms, J] neighbor table with J the largest neighbor count plus :data:`MARGIN`,
+  checked after the step and widened when an atom outgrows it (J is the length of a
+  tensor, not a Python number, so that ``torch.compile`` does not recompile for a new J);
+- energy, forces and the strain derivative (stress) from one backward pass: the energy
+  depends on positions only through the pair vectors v, so the derivative of structure s's
+  energy by its strain is the sum over its pairs of v ⊗ dE/dv (no per-pair cell products
+  in the graph: with many structures per call those were ~10% of the step);
+- PET's inputs are built from the kept pairs as metatrain's neighbor table or as packed
+  rows (:mod:`ase_tcfp32._inputs`);
+- for systems of up to ``graph_atoms`` atoms the step is recorded once per (capacity, J)
+  as a CUDA graph and replayed (:mod:`ase_tcfp32._graphs`): no kernel launches from Python
+  while atoms move.
+
+Pairs beyond the adaptive cutoff contribute exactly zero to metatrain's solver (its
+smooth count is flat there), so the skin changes nothing; results agree with the
+metatomic path to FP32 rounding (``tests/test_lean.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import numpy as np
+import torch
+from ase import Atoms
+
+from . import _progress as progress
+from . import watchdog
+from ._compilation import compiled
+from ._graphs import Graph
+from ._inputs import Kept, neighbor_table, packed_rows
+from ._kernels.context import INTERPRETED
+from ._neighbors import VIRIAL_BINS, PairTerms, Structures, VerletList, pair_vectors, round_up
+from .precision import triton_build_problem
+
+_FAR = 1.0e6
+"""Distance given to the padding pairs: past every cutoff, so they weigh exactly zero."""
+
+MARGIN = 2
+"""Columns of the neighbor table beyond the largest neighbor count, so that counts can
+grow by that much before a step is redone with a wider table. Every column costs ~1/J of
+the edge work (GEMMs and attention): metatrain's own table has no margin."""
+
+
+ROW_SPARE = 0.02
+"""Packed rows (:mod:`ase_tcfp32._packed`) beyond the kept pairs, as a fraction of them, so
+that their number can grow by that much before a step is redone with more rows (and, with
+CUDA graphs, a new graph recorded)."""
+
+
+def unsupported_reason(pet: torch.nn.Module) -> str | None:
+    """Why the lean path cannot evaluate this metatrain PET exactly, or None."""
+    from metatrain.composition import CompositionModel
+
+    if pet.long_range:
+        return "it has a long-range (Ewald/P3M) module"
+    if pet.backend.system_conditioning is not None:
+        return "it is conditioned on charge and spin"
+    others = [type(m).__name__ for m in pet.additive_models if not isinstance(m, CompositionModel)]
+    if others:
+        return f"it has additive models other than composition ({', '.join(others)})"
+    if pet.dataset_info.length_unit.lower() not in ("", "angstrom", "a"):  # "": no unit, no conversion
+        return f"its length unit is {pet.dataset_info.length_unit!r}, not Å"
+    if pet.dataset_info.targets["energy"].unit not in ("", "eV"):
+        return f"its energy unit is {pet.dataset_info.targets['energy'].unit!r}, not eV"
+    return None
+
+
+def _per_type_energy(pet: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-atom energy scale and composition offset (eV) of every atomic type, indexed
+    by atomic number: what metatrain's scaler and composition model apply after PET."""
+    from metatomic.torch import ModelOutput, System
+
+    types = torch.tensor(pet.atomic_types, dtype=torch.int32)
+    dtype = next(pet.parameters()).dtype
+    positions = 10.0 * torch.arange(3 * len(types), dtype=dtype).reshape(-1, 3)  # isolated atoms
+    system = System(types=types, positions=positions, cell=torch.zeros(3, 3, dtype=dtype), pbc=torch.zeros(3, dtype=torch.bool))
+    request = {"energy": ModelOutput(sample_kind="atom")}
+    scale = torch.zeros(int(types.max()) + 1, dtype=torch.float64)
+    offset = torch.zeros_like(scale)
+    block = pet.scaler.get_scales([system], request)["energy"].block()
+    scale[types[block.samples.column("atom").long()].long()] = block.values[:, 0].double()
+    for model in pet.additive_models:
+        if "energy" in model.outputs:
+            block = model([system], request)["energy"].block()
+            offset[types[block.samples.column("atom").long()].long()] += block.values[:, 0].double()
+    return scale, offset
+
+
+def cutoff_kernel_usable(device: torch.device) -> bool:
+    """Whether PET's adaptive-cutoff solver can run in our kernel on ``device`` (CUDA, or
+    CPU tensors under Triton's interpreter); on a GPU where Triton cannot build its
+    launchers, metatrain's torch code runs instead, with a warning saying why."""
+    if INTERPRETED:
+        return True
+    if device.type != "cuda":
+        return False
+    problem = triton_build_problem()
+    if problem is not None:
+        warnings.warn(f"PET's adaptive cutoffs run in metatrain's torch code, slower: Triton cannot build its launchers "
+                      f"here ({problem})", stacklevel=3)  # fmt: skip
+    return problem is None
+
+
+class LeanPET:
+    """Energy, forces and stress of a metatrain PET on plain tensors (see module doc).
+
+    :param pet: a metatrain PET in eval mode (its Linear layers in any precision).
+    :param device: where to evaluate it (the model is moved there).
+    :param skin: Verlet skin in Å.
+    :param graph_atoms: record the step of systems with up to this many atoms as a CUDA
+        graph and replay it (CUDA only; 0: never).
+    :param large_skin: the skin (Å) for systems of more than ``graph_atoms`` atoms
+        (default ``skin``).
+    :param compile: run :meth:`neighbor_table` (adaptive cutoffs included) through
+        ``torch.compile``; the model's own stages are compiled by the calculator.
+    :param check_every: with graphs, every this many evaluations (the first included) run
+        eagerly with every watched layer checked (:mod:`ase_tcfp32.watchdog`: a replayed
+        graph runs no Python); 0: never.
+    :param packed: evaluate PET on packed rows, without the table's padding
+        (:mod:`ase_tcfp32._packed`: its attention on tensor cores; not with ``compile``).
+    """
+
+    def __init__(self, pet: torch.nn.Module, device: torch.device, skin: float = 2.0, graph_atoms: int = 0,
+                 large_skin: float | None = None, compile: bool = False, check_every: int = 0,
+                 packed: bool = False):  # fmt: skip
+        from metatrain.pet.modules import adaptive_cutoff, utilities
+
+        reason = unsupported_reason(pet)
+        if reason is not None:
+            raise ValueError(f"the lean path cannot evaluate this model: {reason}")
+        if packed:
+            from ._packed import unsupported_reason as packed_problem
+
+            reason = packed_problem(pet) or ("compile=True compiles the table's path" if compile else None)
+            if reason is not None:
+                raise ValueError(f"packed rows cannot evaluate this model: {reason}")
+        if graph_atoms and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not '{device}'")
+        scale, offset = _per_type_energy(pet)
+        self.scale, self.offset = scale.to(device), offset.to(device)  # float64: exact sums of large offsets
+        self.pet, self.device, self.graph_atoms = pet.to(device), device, graph_atoms
+        self.backend = pet.backend
+        self.dtype = next(pet.parameters()).dtype
+        self.skins = (float(skin), float(skin if large_skin is None else large_skin))
+        self.neighbors = VerletList(float(self.backend.cutoff), device, self.dtype)
+        self.cuda_graphs = False  # set per system, with the skin
+        self.system = torch.zeros(0, dtype=torch.long, device=device)  # [N] the structure of each atom
+        self.columns = torch.arange(0, device=device)  # [J]: the neighbor table's columns
+        self.packed, self.rows = packed, 0  # PET on packed rows (ase_tcfp32._packed), in this many
+        self.widenings = 0
+        self.evaluations = 0
+        self.recordings = 0  # CUDA graphs recorded
+        self.check_every = check_every
+        self._graph: Graph | None = None
+        self._far = torch.tensor([_FAR, 0.0, 0.0], device=device, dtype=self.dtype)  # here: no host copy in a graph
+        solver = self.backend.adaptive_cutoff_method.lower() == "solver"
+        self._adaptive_cutoffs = adaptive_cutoff.get_adaptive_cutoffs_solver if solver else adaptive_cutoff.get_adaptive_cutoffs_grid
+        self._solver_kernel = None  # the solver's iterations in one kernel of ours: on CUDA, in FP32
+        if solver and self.dtype == torch.float32 and cutoff_kernel_usable(device):
+            from ._kernels.cutoffs import adaptive_cutoffs
+
+            self._solver_kernel = functools.partial(adaptive_cutoffs, bump=utilities.cutoff_func_bump)
+        bump = self.backend.cutoff_function.lower() == "bump"
+        self._cutoff_function = utilities.cutoff_func_bump if bump else utilities.cutoff_func_cosine
+        if compile:
+            self.neighbor_table = compiled(self.neighbor_table)
+
+    @property
+    def pairs(self):
+        """The current candidate pairs (:class:`ase_tcfp32._neighbors.Pairs`)."""
+        return self.neighbors.pairs
+
+    @property
+    def skin(self) -> float:
+        """The Verlet skin (Å) of the current system."""
+        return self.neighbors.skin
+
+    @property
+    def rebuilds(self) -> int:
+        """Neighbor lists built so far."""
+        return self.neighbors.rebuilds
+
+    def _use(self, batch: Structures) -> None:
+        """Pairs for ``batch``: a new system gets its skin, graph policy and table anew; a
+        stale list is rebuilt (into the recorded graph's buffers where they fit)."""
+        if self.neighbors.new_system(batch):
+            sizes = torch.tensor(batch.sizes)
+            self.system = torch.repeat_interleave(torch.arange(len(sizes)), sizes).to(self.device)
+            self.cuda_graphs = len(batch.numbers) <= self.graph_atoms
+            self.neighbors.skin = self.skins[0] if self.cuda_graphs else self.skins[1]
+            self._set_width(0)
+        if self.neighbors.stale(batch) and not self.neighbors.update(batch, in_place=self._graph is not None):
+            self._graph = None
+
+    @property
+    def width(self) -> int:
+        """J, the neighbor table's width (0 before the first evaluation)."""
+        return self.columns.numel()
+
+    def _set_width(self, width: int) -> None:
+        """A table of ``width`` columns from the next evaluation on (not the recorded graph's)."""
+        self.columns, self._graph = torch.arange(width, device=self.device), None
+
+    def _set_rows(self, pairs: int) -> None:
+        """Packed rows for ``pairs`` kept pairs and :data:`ROW_SPARE` more, from the next
+        evaluation on (not the recorded graph's)."""
+        self.rows, self._graph = round_up(int(pairs * (1 + ROW_SPARE)) + 64, 256), None
+
+    # ----- one evaluation on tensors ----------------------------------------------------
+
+    def _kept_pairs(self, vectors: torch.Tensor, n: int) -> Kept:
+        """Which of the current pairs PET keeps (its adaptive cutoffs) and their cutoff
+        factors, for the pairs' ``vectors`` [capacity, 3] of N = ``n`` atoms."""
+        backend, pairs = self.backend, self.pairs
+        vectors = torch.where(pairs.valid[:, None], vectors, self._far)
+        distances = torch.norm(vectors, dim=-1) + 1e-15
+
+        if backend.num_neighbors_adaptive is not None:
+            if self._solver_kernel is not None:
+                atomic = self._solver_kernel(pairs.centers, distances, pairs.first, backend.num_neighbors_adaptive,
+                                             backend.cutoff, self.pet.cutoff_width_adaptive)  # fmt: skip
+            else:
+                atomic = self._adaptive_cutoffs(pairs.centers, distances, backend.num_neighbors_adaptive, n,
+                                                backend.cutoff, cutoff_width=self.pet.cutoff_width_adaptive)  # fmt: skip
+            pair_cutoffs = PairTerms.apply(atomic, pairs.centers, pairs.neighbors, pairs.reverse, pairs.first, 1.0) / 2.0
+        else:
+            pair_cutoffs = torch.full_like(distances, backend.cutoff)
+        keep = (distances <= pair_cutoffs) & pairs.valid
+        factors = self._cutoff_function(distances, pair_cutoffs, backend.cutoff_width)
+        before = torch.nn.functional.pad(torch.cumsum(keep.long(), 0), (1, 0))  # [capacity + 1]: kept pairs before pair k
+        counts = before[pairs.first[1:]] - before[pairs.first[:-1]]
+        return Kept(vectors, factors, keep, before, counts)
+
+    def neighbor_table(self, vectors: torch.Tensor, numbers: torch.Tensor, columns: torch.Tensor) -> tuple:
+        """:func:`ase_tcfp32._inputs.neighbor_table` for the current pairs' ``vectors``
+        [capacity, 3] and the atomic ``numbers`` [N] (adaptive cutoffs included)."""
+        kept = self._kept_pairs(vectors, numbers.shape[0])
+        return neighbor_table(kept, self.pairs, self.backend.species_to_species_index[numbers], columns)
+
+    def energy_terms(self, vectors: torch.Tensor, cells: torch.Tensor, numbers: torch.Tensor,
+                     system: torch.Tensor) -> tuple:  # fmt: skip
+        """Per-atom energies [N] (eV, float64: PET's FP32 output, scaled and offset in
+        float64) and the sizes the step needed (a tensor [2]: the largest neighbor count and,
+        on packed rows, the kept pairs' number), for the pair ``vectors`` [capacity, 3] of
+        atoms of atomic ``numbers`` [N] in structures ``system`` [N] of ``cells`` [S, 3, 3]."""
+        if self.packed:
+            from . import _packed
+
+            species = self.backend.species_to_species_index[numbers]
+            kept = self._kept_pairs(vectors, numbers.shape[0])
+            inputs, most, total = packed_rows(kept, self.pairs, species, self.columns, self.rows)
+            predictions = _packed.energies(self.backend, inputs)
+        else:
+            batch, most = self.neighbor_table(vectors, numbers, self.columns)
+            nodes, edges = self.backend.calculate_features(batch)
+            predictions = self.backend.predict(nodes, edges, batch, cells, system, ["energy"])[0]["energy"][0][:, 0]
+            total = torch.zeros_like(most)
+        return predictions.double() * self.scale[numbers] + self.offset[numbers], torch.stack([most, total])
+
+    def _step(self, positions: torch.Tensor, cells: torch.Tensor, numbers: torch.Tensor, system: torch.Tensor,
+              stress: bool) -> dict:  # fmt: skip
+        """Per-structure energies [S], per-atom energies, forces (and each structure's strain
+        derivative [S, 3, 3]) on the device, as tensors; the structures are independent, so
+        one backward pass of the summed energy gives every structure's gradients."""
+        positions = positions.detach().requires_grad_(True)
+        with torch.enable_grad():
+            vectors = pair_vectors(positions, self.pairs)
+            energies, sizes = self.energy_terms(vectors, cells, numbers, system)
+            grads = torch.autograd.grad(energies.sum(), [positions, vectors] if stress else [positions])
+        totals = torch.zeros(cells.shape[0], dtype=energies.dtype, device=energies.device).index_add_(0, system, energies)
+        out = {"energy": totals.detach(), "energies": energies.detach(), "forces": -grads[0], "sizes": sizes}
+        if stress:  # dE/d(strain) of structure s: its pairs' v ⊗ dE/dv, summed (see the module doc)
+            terms = (vectors.detach()[:, :, None] * grads[1][:, None, :]).reshape(-1, 9)
+            bins = terms.new_zeros(cells.shape[0] * VIRIAL_BINS, 9).index_add_(0, self.pairs.bins, terms)
+            out["virial"] = bins.reshape(cells.shape[0], VIRIAL_BINS, 3, 3).sum(1)
+        return out
+
+    # ----- the engine interface -----------------------------------------------------------
+
+    def compute(self, structures: list[Atoms], properties) -> list[dict]:
+        """Per structure: ``energy`` (eV), ``energies`` [n] (eV), ``forces`` [n, 3] (eV/Å)
+        and, when ``"stress"`` is among ``properties``, ``stress`` [3, 3] (eV/Å³, ASE sign)
+        for each 3D-periodic structure, as float64 numpy arrays: all structures in one
+        batched evaluation (same-size copies, like path-integral beads, are the fast case)."""
+        stress = "stress" in properties and any(atoms.pbc.all() for atoms in structures)
+        batch = Structures.of(structures)
+        self._use(batch)
+        positions = torch.from_numpy(batch.positions).to(self.device, self.dtype)
+        cells = torch.from_numpy(batch.cells).to(self.device, self.dtype)
+        numbers, system = torch.from_numpy(batch.numbers).to(self.device, torch.long), self.system
+        if self.width == 0:  # first call: size the table (or the packed rows) from the neighbor counts
+            if self.packed:
+                counts = self.neighbor_counts(structures)
+                most = int(counts.max())
+                self._set_rows(int(counts.sum()))
+            else:
+                self._set_width(8)  # not 1: the compiler would specialise a length of 1
+                with torch.enable_grad():  # the step's grad mode: with compile=True, no second compilation
+                    most = int(self.neighbor_table(pair_vectors(positions, self.pairs), numbers, self.columns)[1])
+            self._set_width(most + MARGIN)
+        out = self._evaluate(positions, cells, numbers, system, stress)
+        most, total = out["sizes"].tolist()
+        if most > self.width or total > self.rows:  # an atom outgrew the table, or the pairs the rows: redo the step
+            if most > self.width:
+                self._set_width(most + MARGIN)
+                self.widenings += 1
+            if total > self.rows:
+                self._set_rows(total)
+            out = self._evaluate(positions, cells, numbers, system, stress)  # the counts do not depend on the sizes
+        ends = np.cumsum(batch.sizes)[:-1]
+        totals = out["energy"].cpu().numpy()
+        energies = np.split(out["energies"].double().cpu().numpy(), ends)
+        forces = np.split(out["forces"].double().cpu().numpy(), ends)
+        virials = out["virial"].double().cpu().numpy() if stress else None
+        results = []
+        for k, atoms in enumerate(structures):
+            result = {"energy": float(totals[k]), "energies": energies[k], "forces": forces[k]}
+            if stress and atoms.pbc.all():
+                result["stress"] = virials[k] / atoms.get_volume()
+            results.append(result)
+        return results
+
+    def neighbor_counts(self, structures: list[Atoms]) -> torch.Tensor:
+        """The neighbors [N] that PET keeps for each atom of ``structures`` (within its
+        adaptive cutoffs): the lengths of its attention sequences, less the center token."""
+        batch = Structures.of(structures)
+        self._use(batch)
+        positions = torch.from_numpy(batch.positions).to(self.device, self.dtype)
+        return self._kept_pairs(pair_vectors(positions, self.pairs).detach(), positions.shape[0]).counts
+
+    def _evaluate(self, positions, cells, numbers, system, stress: bool) -> dict:
+        """One step: eager, or through the recorded graph (recorded first if needed)."""
+        due = self.check_every and self.evaluations % self.check_every == 0
+        self.evaluations += 1
+        if not self.cuda_graphs:
+            return self._step(positions, cells, numbers, system, stress)
+        if due:  # the watchdog's turn: the same step, eagerly, every layer checked
+            with watchdog.check_all():
+                return self._step(positions, cells, numbers, system, stress)
+        if self._graph is None or self._graph.key != stress:
+            self._graph = None  # its memory goes before the next one is recorded
+            torch.cuda.synchronize(self.device)
+            with progress.doing(f"recording a CUDA graph ({positions.shape[0]} atoms, table width {self.width})"):
+                step = functools.partial(self._step, stress=stress)
+                self._graph = Graph(step, (positions, cells, numbers, system), self.device, key=stress)
+            self.recordings += 1
+        return self._graph.replay(positions, cells, numbers, system)
