@@ -13,7 +13,8 @@ import pytest
 ROOT = Path(__file__).parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 WORK_LOG = re.compile(r"session ?[0-9]|\bround ?[0-9]|_run[0-9]|\brun[0-9]\b", re.I)
-"""Numbered work rounds ("session 21", "round 2", "_run1"): history belongs in git and CHANGELOG.md."""
+"""Numbered work rounds (the words session or round followed by a number, or _run and a digit
+in a name): history belongs in git and CHANGELOG.md."""
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import _results  # noqa: E402
