@@ -15,8 +15,9 @@ time from the start of the process's work (imports excluded) to the first comple
 step, and the median ms per step after it. Configurations: ``default`` (``TCPETCalculator(model)``), ``fp32-default``
 (``precision="fp32"``, nothing else), and the candidates for ``best`` (engines, compiled or
 not, in the default precision; the default among them) and for ``best-fp32`` (FP32's
-defaults and compiled FP32 engines): the fastest steady step of each group gets a row of
-its own. A process that runs past ``--limit`` seconds is stopped and its row says so.
+defaults and compiled FP32 engines): the fastest steady step of each group is printed
+against the default's. Rows go into ``benchmarks/results/defaults_<gpu>.json`` (``--out``:
+elsewhere), replacing those of the same system and configuration. A process that runs past ``--limit`` seconds is stopped and its row says so.
 Compiled configurations also report torch's cache counters (FX graph and AOTAutograd cache
 hits, misses and bypasses): what a warm start still recompiles.
 """
