@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test gpu-test docs clean
+.PHONY: demo test gpu-test docs plots clean
 
 $(VENV)/.installed: pyproject.toml
 	@echo "installing ase-tcfp32 and its dependencies into $(VENV) (once; a few minutes on a fresh machine)"
@@ -24,6 +24,10 @@ gpu-test: $(VENV)/.installed
 docs: $(VENV)/.installed
 	$(PY) -m mkdocs build --strict
 	@echo "documentation site in site/index.html"
+
+plots: $(VENV)/.installed
+	$(PY) benchmarks/plot.py
+	$(PY) benchmarks/report.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis site

@@ -67,11 +67,11 @@ def choose_engine(pet: torch.nn.Module, device: torch.device, low_memory: bool) 
 def choose_engine_for(device: torch.device | str, low_memory: bool = False) -> tuple[str, str]:
     """:func:`choose_engine` for a model the lean engine can evaluate (PET-MAD and the uPETs)."""
     if torch.device(device).type != "cuda":
-        return "lean", (f"the model on plain tensors, neighbour skin {LARGE_SKIN} Å: on a CPU as fast per step as "
+        return "lean", (f"the model on plain tensors, neighbor skin {LARGE_SKIN} Å: on a CPU as fast per step as "
                         "metatomic-ase and about twice as quick to its first step (docs/usage.md)")  # fmt: skip
     if low_memory:
-        return "lean", f"low_memory=True: recomputed layers, no CUDA graphs, neighbour skin {LARGE_SKIN} Å"
-    return "lean", (f"CUDA graphs for systems up to {GRAPH_ATOMS} atoms (neighbour skin {SMALL_SKIN} Å), "
+        return "lean", f"low_memory=True: recomputed layers, no CUDA graphs, neighbor skin {LARGE_SKIN} Å"
+    return "lean", (f"CUDA graphs for systems up to {GRAPH_ATOMS} atoms (neighbor skin {SMALL_SKIN} Å), "
                     f"plain launches above (skin {LARGE_SKIN} Å)")  # fmt: skip
 
 

@@ -23,7 +23,7 @@ structure, so that millions of atomic additions do not queue on a structure's ni
 
 
 class NeighborListError(RuntimeError):
-    """vesin could not compute the neighbour list (on this device)."""
+    """vesin could not compute the neighbor list (on this device)."""
 
 
 class Pairs(NamedTuple):
@@ -147,7 +147,7 @@ def build_pairs(positions: torch.Tensor, host_cells: np.ndarray, pbcs: np.ndarra
     wanted = key(j, i, -shifts)
     found = torch.searchsorted(sorted_keys, wanted).clamp_max(max(count - 1, 0))
     if count and not bool((sorted_keys[found] == wanted).all()):
-        raise ValueError("the neighbour list is not symmetric: a pair i -> j has no j -> i")
+        raise ValueError("the neighbor list is not symmetric: a pair i -> j has no j -> i")
     reverse = by_key[found]
 
     if count > capacity or capacity == 0:
@@ -169,7 +169,7 @@ def build_pairs(positions: torch.Tensor, host_cells: np.ndarray, pbcs: np.ndarra
 
 class PairTerms(torch.autograd.Function):
     """``y_k = x[j_k] + sign * x[i_k]`` for atom values x [N, ...] and pairs i -> j sorted
-    by centre atom, each with its reverse pair (j -> i; the padding pairs, centre 0, are
+    by center atom, each with its reverse pair (j -> i; the padding pairs, center 0, are
     their own reverse and get no gradient). Atom a's gradient is the sum over its own
     pairs k of ``g[reverse[k]] + sign * g[k]``: a gather and one segment sum instead of two
     scatter-adds of every pair's gradient onto the atoms, whose atomic additions queue on

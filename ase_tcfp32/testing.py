@@ -15,7 +15,7 @@ import torch
 from .models import import_dependencies
 
 PET_MAD_SHAPES = {
-    # name: (d_pet, GNN layers, attention layers, cutoff Å, adaptive neighbours)
+    # name: (d_pet, GNN layers, attention layers, cutoff Å, adaptive neighbors)
     "tiny": (16, 2, 1, 5.0, 16),
     "xs": (128, 2, 1, 7.5, 16),
     "s": (256, 3, 1, 8.0, 24),
@@ -48,12 +48,12 @@ def random_pet(shape: str = "tiny", *, seed: int = 0, atomic_types=tuple(range(1
     from metatrain.utils.data import DatasetInfo
     from metatrain.utils.data.target_info import get_energy_target_info, get_generic_target_info
 
-    d_pet, gnn, attention, cutoff, neighbours = PET_MAD_SHAPES[shape]
+    d_pet, gnn, attention, cutoff, neighbors = PET_MAD_SHAPES[shape]
     hypers = get_default_hypers("pet")["model"]
     hypers.update(
         d_pet=d_pet, d_node=4 * d_pet, d_head=d_pet, d_feedforward=2 * d_pet,
         num_heads=4 if shape == "tiny" else 8, num_gnn_layers=gnn,
-        num_attention_layers=attention, cutoff=cutoff, num_neighbors_adaptive=neighbours,
+        num_attention_layers=attention, cutoff=cutoff, num_neighbors_adaptive=neighbors,
         cutoff_function="Bump", cutoff_width=0.5, normalization="RMSNorm",
         activation="SwiGLU", transformer_type="PreLN", featurizer_type="feedforward",
     )  # fmt: skip

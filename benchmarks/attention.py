@@ -2,6 +2,9 @@
 
     python benchmarks/attention.py [--models s,m] [--atoms 192,17280] [--configs default] [--out results.json]
 
+Writes its rows into ``benchmarks/results/attention_<gpu>.json`` (``--out``: elsewhere),
+replacing the rows of the same model, size, kernel and configuration.
+
 For the PET-MAD-S / -M attention shapes (8 heads of d_pet / 8; T = neighbors + 1 tokens
 of water at 1 g/cm³, from ``gemm.PAD_WIDTH``; the mask is the log of per-key cutoff
 weights, repeated over the query rows, padding keys at PET's clamp 1e-15) it times, in
@@ -21,7 +24,6 @@ SDPA's weigh 1e-15). SDPA runs on metatrain's table, padded to the most neighbor
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +36,8 @@ from ase_tcfp32._kernels import attention as kernels
 from ase_tcfp32._lean import MARGIN, LeanPET
 from ase_tcfp32.testing import random_pet
 from ase_tcfp32.validation import water_box
-from ase_tcfp32.validation.common import environment
+
+import _results
 
 HEADS = 8
 D_PET = {"s": 256, "m": 384}
@@ -182,7 +185,7 @@ def main() -> None:
     parser.add_argument("--models", default="s,m")
     parser.add_argument("--atoms", default="192,17280")
     parser.add_argument("--configs", default="default", help="'default' and/or BLOCK:warps:stages, comma-separated")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="results file (default: benchmarks/results/attention_<gpu>.json)")
     args = parser.parse_args()
     rows = []
     for size in args.models.split(","):
@@ -207,15 +210,15 @@ def main() -> None:
                     print(f"{size} {atoms:6d} {config}: {error}", flush=True)
                     continue
                 for r in found:
+                    if spec == "default":  # the package's launch: named in the key, its parameters kept
+                        r["config"], r["launch"] = "default", r["config"]
                     base.setdefault(r["pass"], r["ms"])  # SDPA's, measured first
                     r["speedup_vs_sdpa"] = base[r["pass"]] / r["ms"]
                     print(f"{size} {atoms:6d} T={r['tokens']} {name:13s} {str(config):48s} {r['pass']:8s} "
                           f"{r['ms']:8.3f} ms  x{r['speedup_vs_sdpa']:.2f}  err {r['error']:.2e} "
                           f"grad {r['error_grad_qkv']:.2e}/{r['error_grad_mask']:.2e}", flush=True)  # fmt: skip
                 rows += found
-                if args.out:
-                    with open(args.out, "w") as f:
-                        json.dump({"environment": environment("cuda"), "rows": rows}, f, indent=1)
+                _results.write("attention", rows, ("model", "atoms", "kernel", "config", "pass"), out=args.out)
             torch.cuda.empty_cache()
 
 

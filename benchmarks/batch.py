@@ -28,7 +28,8 @@ from ase_tcfp32 import TCPETCalculator
 from ase_tcfp32._neighbors import Structures, build_pairs
 from ase_tcfp32.testing import random_checkpoint
 from ase_tcfp32.validation import water_box
-from ase_tcfp32.validation.common import environment
+
+import _results
 
 CONFIGS = {
     "default": {},
@@ -94,7 +95,7 @@ def main() -> None:
     parser.add_argument("--configs", default="default,fp32", help=f"among {', '.join(CONFIGS)}")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--parts", action="store_true", help="also time lean.build_pairs alone")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="results file (default: benchmarks/results/batch_<gpu>.json)")
     args = parser.parse_args()
     names = args.configs.split(",")
     unknown = [name for name in names if name not in CONFIGS]
@@ -122,9 +123,7 @@ def main() -> None:
         versus = f"{fp32 / r['batch_ms']:.2f}" if fp32 else "-"
         print(f"{r['config']:>10} {r['batch_ms']:9.1f} {r['single_ms']:10.2f} {r['throughput_vs_single']:9.2f} "
               f"{versus:>8} {r['rebuild_ms']:11.1f}")  # fmt: skip
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"environment": environment("cuda"), "rows": rows}, f, indent=1)
+    _results.write("batch", rows, ("config", "model", "copies", "atoms"), out=args.out)
 
 
 if __name__ == "__main__":

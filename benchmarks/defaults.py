@@ -15,8 +15,9 @@ time from the start of the process's work (imports excluded) to the first comple
 step, and the median ms per step after it. Configurations: ``default`` (``TCPETCalculator(model)``), ``fp32-default``
 (``precision="fp32"``, nothing else), and the candidates for ``best`` (engines, compiled or
 not, in the default precision; the default among them) and for ``best-fp32`` (FP32's
-defaults and compiled FP32 engines): the fastest steady step of each group gets a row of
-its own. A process that runs past ``--limit`` seconds is stopped and its row says so.
+defaults and compiled FP32 engines): the fastest steady step of each group is printed
+against the default's. Rows go into ``benchmarks/results/defaults_<gpu>.json`` (``--out``:
+elsewhere), replacing those of the same system and configuration. A process that runs past ``--limit`` seconds is stopped and its row says so.
 Compiled configurations also report torch's cache counters (FX graph and AOTAutograd cache
 hits, misses and bypasses): what a warm start still recompiles.
 """
@@ -118,20 +119,18 @@ def main() -> None:
     parser.add_argument("--configs", default=",".join(CANDIDATES), help="comma-separated names of CANDIDATES")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--limit", type=float, default=1800, help="seconds a configuration's process may run")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="results file (default: benchmarks/results/defaults_<gpu>.json)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(*json.loads(args.child))))
         return
-    from ase_tcfp32.validation.common import environment
+    import _results
 
     rows = []
 
     def save(group):
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"environment": environment("cuda"), "rows": rows + group}, f, indent=1)
+        _results.write("defaults", rows + group, ("model", "atoms", "config"), out=args.out)
 
     print(f"{'model':>9} {'atoms':>6} {'config':>18} {'precision':>9} {'engine':>9} {'compiled':>8} {'ms':>8} "
           f"{'cold s':>7} {'warm s':>7}")  # fmt: skip
@@ -154,11 +153,9 @@ def main() -> None:
                                ("best-fp32", [r for r in timed if r["precision"] == "fp32"])):  # fmt: skip
             if members:
                 best = min(members, key=lambda r: r["ms"])
-                group.append(dict(best, config=label, candidate=best["config"]))
                 if default:
                     print(f"  {label}: {best['config']} {best['ms']:.1f} ms; default / {label}: {default['ms'] / best['ms']:.2f}")
         rows += group
-        save([])
 
 
 if __name__ == "__main__":

@@ -20,14 +20,14 @@ times the output's scale).
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 from gemm import PAD_WIDTH
 from triton.testing import do_bench
 
 from ase_tcfp32._fused import combine_messages, swiglu
-from ase_tcfp32.validation.common import environment
+
+import _results
 
 D_PET = {"s": 256, "m": 384}
 
@@ -116,7 +116,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="s,m")
     parser.add_argument("--atoms", default="192,17280")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="results file (default: benchmarks/results/fused_<gpu>.json)")
     args = parser.parse_args()
     rows = [r for size in args.models.split(",") for atoms in map(int, args.atoms.split(",")) for r in measure(size, atoms)]
     combinations = [measure_combination(size, atoms) for size in args.models.split(",") for atoms in map(int, args.atoms.split(","))]
@@ -134,9 +134,7 @@ def main() -> None:
                           for k in r if k.endswith("_forward_ms"))  # fmt: skip
         errors = "  ".join(f"{k[:-11]} {v['y']:.1f}/{v['do']:.1f}" for k, v in r.items() if k.endswith("_errors_ulp"))
         print(f"{r['model']:>5} {r['atoms']:>6}  {r['shape'][0]:>8} x {r['shape'][1]:<5}  {times}   {errors}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"environment": environment("cuda"), "rows": rows, "combination": combinations}, f, indent=1)
+    _results.write("fused", rows + combinations, ("model", "atoms", "layer"), out=args.out)
 
 
 if __name__ == "__main__":

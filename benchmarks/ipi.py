@@ -24,7 +24,6 @@ socket cost per step, the part of a step no driver can remove. Drivers of
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -149,13 +148,12 @@ def main() -> None:
     parser.add_argument("--large", type=int, default=0, help="also one box of this many molecules, i-PI vs ASE")
     parser.add_argument("--driver-options", default="", help="key=value,... added to every driver's options")
     parser.add_argument("--floor", action="store_true", help="also each batch size with i-PI's dummy driver (no model)")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="results file (default: benchmarks/results/ipi_<gpu>.json)")
     args = parser.parse_args()
 
     from ase_tcfp32._engines import GRAPH_ATOMS
     from ase_tcfp32.testing import random_checkpoint
     from ase_tcfp32.validation import water_box
-    from ase_tcfp32.validation.common import environment
 
     model = str(random_checkpoint(args.model))
     extra = dict(item.split("=", 1) for item in args.driver_options.split(",") if item)
@@ -187,7 +185,7 @@ def main() -> None:
             row["error"] = str(error)[-1500:]
             print(f"{precision:>9} {engine:>7} {batch:>5} failed: {row['error'][-300:]}", flush=True)
         rows.append(row)
-        save(args.out, rows, environment)
+        save(args.out, rows)
     if args.large:
         large = water_box(args.large, seed=0)
         for precision in precisions:
@@ -200,16 +198,21 @@ def main() -> None:
             print(f"{len(large)} atoms, {precision}: i-PI {row['ms_per_step']:.1f} ms/step, ASE {row['ase_ms_per_step']:.1f} "
                   f"ms/step, {row['atom_steps_per_s']:.0f} atom-steps/s through i-PI", flush=True)  # fmt: skip
             rows.append(row)
-            save(args.out, rows, environment)
+            save(args.out, rows)
 
 
-def save(path, rows, environment) -> None:
-    if path:
-        from importlib.metadata import version
+KEY = ("precision", "engine", "batch_size", "beads", "atoms", "large", "neighbor_skin")
+"""What identifies a row of the results file: a new row replaces the old one with the same values."""
 
-        env = {**environment("cuda"), "ipi": version("ipi"), "host_cpus": os.cpu_count()}
-        with open(path, "w") as f:
-            json.dump({"environment": env, "rows": rows}, f, indent=1)
+
+def save(path, rows) -> None:
+    """Merge the rows so far into the results file, with i-PI's version and the host's cores."""
+    from importlib.metadata import version
+
+    import _results
+
+    env = {**_results.environment(), "ipi": version("ipi"), "host_cpus": os.cpu_count()}
+    _results.write("ipi", rows, KEY, env=env, out=path)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 from pathlib import Path
 
 _spec = importlib.util.spec_from_file_location("ipi_benchmark", Path(__file__).with_name("ipi.py"))
@@ -30,14 +29,14 @@ def main() -> None:
     parser.add_argument("--model", default="s")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--same-gpu", action="store_true", help="every driver on GPU 0 (to test on one GPU)")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="results file (default: benchmarks/results/ipi_multi_gpu_<gpu>.json)")
     args = parser.parse_args()
 
     import torch
 
     from ase_tcfp32.testing import random_checkpoint
     from ase_tcfp32.validation import water_box
-    from ase_tcfp32.validation.common import environment
+    import _results
 
     model = str(random_checkpoint(args.model))
     available = torch.cuda.device_count()
@@ -74,9 +73,8 @@ def main() -> None:
                     row["error"] = str(error)[-1500:]
                     print(f"{len(water)} atoms, {gpus} GPU(s), {layout}: failed: {row['error'][-300:]}", flush=True)
                 rows.append(row)
-                if args.out:
-                    with open(args.out, "w") as f:
-                        json.dump({"environment": environment("cuda"), "gpus_available": available, "rows": rows}, f, indent=1)
+                env = {**_results.environment(), "gpus_available": available}
+                _results.write("ipi_multi_gpu", rows, ("atoms", "beads", "gpus", "layout", "same_gpu"), env=env, out=args.out)
 
 
 if __name__ == "__main__":

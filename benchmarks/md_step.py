@@ -3,6 +3,9 @@
     python benchmarks/md_step.py [--models s,m] [--molecules 64,5760] [--engines metatomic,lean,graphs]
                                  [--compile both] [--low-memory] [--out FILE.json]
 
+Writes its rows into ``benchmarks/results/md_step_<gpu>.json`` (``--out``: elsewhere),
+replacing the rows of the same configurations and keeping the others.
+
 For PET-MAD-S/-M-shaped models with random weights (speed only: their forces are not
 physical, so the runs are short and the time step small) and water boxes of 192 and
 17,280 atoms, runs velocity Verlet through ``TCPETCalculator`` in each precision and
@@ -17,7 +20,6 @@ backward pass (``TCPETCalculator(low_memory=True)``).
 from __future__ import annotations
 
 import argparse
-import json
 import warnings
 
 import numpy as np
@@ -31,7 +33,8 @@ from ase_tcfp32.testing import random_checkpoint
 from ase_tcfp32.precision import FP32_ACCURATE
 from ase_tcfp32.validation import water_box
 from _timing import md_step_times
-from ase_tcfp32.validation.common import environment
+
+import _results
 
 
 def time_steps(model, precision: str, atoms, steps: int, compile: bool, engine: str = "metatomic",
@@ -88,7 +91,7 @@ def main() -> None:
     parser.add_argument("--skin", type=float, default=2.0, help="neighbor_skin in Å")
     parser.add_argument("--table", action="store_true",
                         help="also time the lean engines' FP32-accurate rows on the neighbor table, not packed rows")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="results file (default: benchmarks/results/md_step_<gpu>.json)")
     args = parser.parse_args()
     modes = {"no": [False], "yes": [True], "both": [False, True]}[args.compile]
     rows = []
@@ -133,11 +136,14 @@ def main() -> None:
             save(args.out, rows)
 
 
+KEY = ("model", "atoms", "engine", "compiled", "precision", "low_memory", "skin", "edge_rows")
+"""What identifies a row of the results file: a new row replaces the old one with the same values."""
+
+
 def save(path: str | None, rows: list[dict]) -> None:
-    """Write the rows so far (after every row: a run cut short keeps what it measured)."""
-    if path:
-        with open(path, "w") as f:
-            json.dump({"environment": environment("cuda"), "rows": rows}, f, indent=1)
+    """Merge the rows so far into the results file (after every row: a run cut short keeps
+    what it measured)."""
+    _results.write("md_step", rows, KEY, out=path)
 
 
 if __name__ == "__main__":

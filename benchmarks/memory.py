@@ -14,7 +14,6 @@ precision and setting.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 import warnings
 
@@ -23,7 +22,8 @@ import torch
 from ase_tcfp32 import TCPETCalculator
 from ase_tcfp32.testing import random_checkpoint
 from ase_tcfp32.validation import water_box
-from ase_tcfp32.validation.common import environment
+
+import _results
 
 
 def _calculator(shape: str, precision: str, device: str, low_memory: bool) -> TCPETCalculator:
@@ -97,7 +97,7 @@ def main() -> None:
     parser.add_argument("--precisions", default="fp32,tf32x3")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--largest", action="store_true", help="search the largest water box that fits (CUDA)")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="results file (default: benchmarks/results/memory_<gpu>.json)")
     args = parser.parse_args()
     rows = []
     print(f"{'model':>5} {'atoms':>6} {'precision':>9} {'peak GB':>8} {'low_memory':>10} {'ratio':>6} {'time x':>6}")
@@ -115,9 +115,7 @@ def main() -> None:
                   + (f"  largest box: {3 * row['largest_molecules']} / {3 * row['largest_molecules_low_memory']} atoms"
                      if args.largest else ""), flush=True)  # fmt: skip
             rows.append(row)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"environment": environment(args.device), "rows": rows}, f, indent=1)
+            _results.write("memory", rows, ("model", "precision", "atoms"), env=_results.environment(args.device), out=args.out)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ step, the operators with the most host time and those with the most GPU time.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 import warnings
 
@@ -22,7 +21,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from ase_tcfp32 import TCPETCalculator
 from ase_tcfp32.validation import water_box
-from ase_tcfp32.validation.common import environment, resolve_model
+from ase_tcfp32.validation.common import resolve_model
+
+import _results
 
 
 def profile_precision(model: str, precision: str, atoms, steps: int, engine: str = "metatomic", compile: bool = False) -> dict:
@@ -63,7 +64,7 @@ def main() -> None:
     parser.add_argument("--engine", default="metatomic", help="TCPETCalculator(engine=...)")
     parser.add_argument("--compile", action="store_true", help="TCPETCalculator(compile=True) (compiled during warm-up)")
     parser.add_argument("--gpu-ops", action="store_true", help="also print the operators with the most GPU time")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="results file (default: benchmarks/results/profile_step_<gpu>.json)")
     args = parser.parse_args()
     model, atoms = resolve_model(args.model), water_box(args.molecules, seed=0)
     rows = [profile_precision(model, p, atoms, args.steps, args.engine, args.compile) for p in args.precisions.split(",")]
@@ -74,9 +75,8 @@ def main() -> None:
         print(f"\n{row['precision']}, host time by operator:\n{row['top_host_ops']}")
         if args.gpu_ops:
             print(f"\n{row['precision']}, GPU time by operator:\n{row['top_gpu_ops']}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"environment": environment("cuda"), "model": args.model, "atoms": len(atoms), "rows": rows}, f, indent=1)
+    rows = [{"model": args.model, "atoms": len(atoms), **row} for row in rows]
+    _results.write("profile_step", rows, ("model", "atoms", "precision", "engine", "compiled"), out=args.out)
 
 
 if __name__ == "__main__":

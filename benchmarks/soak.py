@@ -25,7 +25,8 @@ from ase.units import fs
 
 from ase_tcfp32 import TCPETCalculator
 from ase_tcfp32.validation import water_box
-from ase_tcfp32.validation.common import environment
+
+import _results
 
 
 def main() -> None:
@@ -34,7 +35,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100_000)
     parser.add_argument("--seconds", type=float, default=540.0)
     parser.add_argument("--every", type=int, default=1000)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="results file (default: benchmarks/results/soak_<gpu>.json)")
     args = parser.parse_args()
     atoms = water_box(64, density=1.0, seed=0)
     calc = TCPETCalculator(args.model)
@@ -75,7 +76,7 @@ def main() -> None:
     checked = ms[checked]
     energies = np.array([r["e_total_eV"] for r in records])
     result = {
-        "environment": environment(str(calc.device)), "model": args.model, "calculator": repr(calc),
+        "model": args.model, "calculator": repr(calc),
         "atoms": len(atoms), "timestep_fs": 0.5, "steps": dyn.nsteps, "first_step_s": first_s,
         "median_ms": median, "mean_ms": float(ms.mean()), "watchdog_every": calc.check_accuracy,
         "watchdog_step_ms": float(np.median(checked)) if len(checked) else None,
@@ -84,11 +85,9 @@ def main() -> None:
                                            / len(atoms) * 1000) if len(records) > 2 else None,
         "records": records,
     }  # fmt: skip
-    summary = {k: v for k, v in result.items() if k not in ("records", "environment")}
+    summary = {k: v for k, v in result.items() if k != "records"}
     print(json.dumps(summary, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    _results.write("soak", [result], ("model", "atoms"), env=_results.environment(str(calc.device)), out=args.out)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ from ase_tcfp32._kernels.triton_gemm import TritonBackend, launch
 from ase_tcfp32.precision import support
 from ase_tcfp32.tcmodel import emulated_matmul
 
+import _results
+
 
 def run_kernel(x: np.ndarray, w: np.ndarray, precision: str) -> np.ndarray:
     """``x @ w.T`` by our kernel for ``precision`` on the GPU, whatever the size."""
@@ -32,10 +34,10 @@ def run_kernel(x: np.ndarray, w: np.ndarray, precision: str) -> np.ndarray:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu-model", default="H100")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="results file (default: benchmarks/results/tcmodel_vs_gpu_<gpu>.json)")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
-    results = {"gpu": torch.cuda.get_device_name(), "rows": []}
+    rows = []
     for m, k, n in [(256, 256, 128), (300, 520, 136)]:
         x = rng.standard_normal((m, k)).astype(np.float32)
         w = rng.standard_normal((n, k)).astype(np.float32)
@@ -47,11 +49,9 @@ def main() -> None:
                 same = float(np.mean(predicted.view(np.uint32) == gpu.view(np.uint32)))
                 ulp = int(np.abs(predicted.view(np.int32).astype(np.int64) - gpu.view(np.int32).astype(np.int64)).max())
                 row = {"shape": f"{m}x{k}x{n}", "precision": precision, "model": model, "identical": same, "max_ulp": ulp}
-                results["rows"].append(row)
+                rows.append(row)
                 print(json.dumps(row), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    _results.write("tcmodel_vs_gpu", rows, ("shape", "precision", "model"), out=args.out)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ from ase_tcfp32 import PrecisionWarning, TCPETCalculator, watchdog
 from ase_tcfp32.testing import random_checkpoint
 from ase_tcfp32.validation import water_box
 from _timing import md_step_times
-from ase_tcfp32.validation.common import environment
+
+import _results
 
 
 def steps_ms(model: str, atoms, every: int, steps: int) -> tuple[float, int]:
@@ -42,7 +43,7 @@ def main() -> None:
     parser.add_argument("--model", default="s")
     parser.add_argument("--molecules", type=int, default=5760)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="results file (default: benchmarks/results/watchdog_cost_<gpu>.json)")
     args = parser.parse_args()
     model, atoms = str(random_checkpoint(args.model)), water_box(args.molecules, seed=0)
     off, _ = steps_ms(model, atoms, 0, args.steps)
@@ -51,9 +52,7 @@ def main() -> None:
            "precision_warnings": warned, "default_every": watchdog.CALCULATOR_EVERY,
            "cost_at_default": (every - off) / off / watchdog.CALCULATOR_EVERY}  # fmt: skip
     print(json.dumps(row, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"environment": environment("cuda"), "rows": [row]}, f, indent=1)
+    _results.write("watchdog_cost", [row], ("model", "atoms"), out=args.out)
 
 
 if __name__ == "__main__":

@@ -578,7 +578,7 @@ print("no dynamo")
 
 
 def test_default_calculator_does_not_import_the_compiler():
-    """Session 13: the first call of a torch.library custom op imports torch._dynamo (0.47 s
+    """The first call of a torch.library custom op imports torch._dynamo (0.47 s
     of a 192-atom start on the H200, with the op registrations it brings); eager code calls
     our kernels directly, so a default calculator's process never imports it."""
     import subprocess

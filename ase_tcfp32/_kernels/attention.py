@@ -21,7 +21,7 @@ words that sum to V exactly, so that a row whose probabilities are one-hot (a ma
 -inf but for one key) returns that key's value exactly. TF32 words rather than fp16x3:
 they have FP32's range (no per-row scaling of logits or of probabilities down to 1e-15),
 and the kernels are bound by registers and latency, not by the tensor cores' rate
-(``docs/kernel_notes.md``, session 12). The softmax and every sum are FP32 on CUDA cores.
+(``docs/design.md``). The softmax and every sum are FP32 on CUDA cores.
 On the H200: 2.2x torch's FP32 SDPA forward + backward at PET-S's shapes
 (``benchmarks/attention.py``; the packed kernels below: 3.9x).
 
@@ -379,7 +379,7 @@ def head_columns(head_dim: int) -> tuple[int, int]:
     """``(DA, DB)``: the forward kernel reads a head in two column chunks of powers of two,
     DA + DB = ``head_dim`` (DB >= 16; PET-M's 48 = 32 + 16), or in one of DA >= ``head_dim``
     columns (DB = 0), padded with zeros when ``head_dim`` is not a power of two (24 -> 32).
-    Measured on the H200, PET-M at 17,280 atoms (``attention_variants_h200_session19.json``):
+    Measured on the H200, PET-M at 17,280 atoms (``benchmarks/experiments/attention_variants.py``):
     forward 4.77 ms chunked against 5.82 padded; the backward, whose six products per head
     become nine, 19.38 against 18.74, so it stays padded (:func:`padded_columns`)."""
     first = padded_columns(head_dim)
@@ -398,7 +398,7 @@ def max_tokens(head_dim: int) -> int:
 def config(tokens: int, head_dim: int, backward: bool = False) -> dict:
     """Block size and launch parameters of the forward (or ``backward``) kernel for
     sequences of ``tokens`` and heads of ``head_dim``. Measured on the H200
-    (``benchmarks/attention.py``, ``attention_h200.json``): 64-row blocks with 4 warps beat
+    (``benchmarks/attention.py``): 64-row blocks with 4 warps beat
     128-row blocks of 3 packed sequences at PET-S's 40 tokens (2.2x against 1.1x SDPA
     forward + backward); a second pipeline stage over the heads helps every forward (PET-M,
     17,280 atoms: 5.8 against 7.4 ms) but only the backward of heads up to 32 wide (PET-M's

@@ -34,7 +34,7 @@ from .context import on_device
 
 def rows_per_program(width: int, backward: bool) -> int:
     """Rows of ``o`` [P, ``width``] per program. Measured on the H200 at 17,280 atoms
-    (``benchmarks/fused.py``, ``fused_h200_session19.json``; forward / forward + backward
+    (``benchmarks/fused.py``, ``benchmarks/results/fused_h200.json``; forward / forward + backward
     ms with 2, 4, 8 rows): PET-S (D = 256) 0.707 / 2.257, 0.664 / 1.881, 0.674 / 1.914;
     PET-M (D = 384, padded to 512 lanes) 1.315 / 4.067, 1.297 / 4.685, 1.323 / 4.972. So 4
     forward, and backward (six rows' worth of values live per row) 1,024 lanes' worth."""

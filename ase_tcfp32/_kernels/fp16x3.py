@@ -16,7 +16,7 @@ persistent and warp specialised: a TMA producer warp streams x (FP32) and the we
 words through a ring; two consumer warpgroups split K-tile k in registers, add the
 products of k - 1 to the FP32 sum with no wgmma in flight (the one schedule ptxas does
 not serialise) and issue k; each finished output tile leaves through shared memory and a
-TMA store that runs during the next tile (``docs/kernel_notes.md``).
+TMA store that runs during the next tile (``docs/design.md``).
 """
 
 from __future__ import annotations
@@ -166,13 +166,13 @@ CONFIG = dict(BM=128, BN=128, BK=32, STAGES=4, GROUP_M=8, num_warps=8)
 """Tile shape and pipeline depth (4 stages of 32 KiB, and 64 KiB for the output tile).
 Measured alternatives within a few per cent of it, none ahead in every run: 6 stages (before
 the output went through shared memory), BK=64 with 3 stages, BM=64 with two CTAs per SM;
-BK=16 is 5-10% slower (``docs/kernel_notes.md``)."""
+BK=16 is 5-10% slower (``docs/design.md``)."""
 
 CANDIDATES = [CONFIG, dict(CONFIG, STAGES=3), dict(CONFIG, STAGES=5)]
 """What :mod:`.autotune` tries per weight shape: :data:`CONFIG` first, all with its K-tile
 (which fixes the per-row scales and the order of the sums, so the bits never change).
 Not a 64-column tile: tuned on 262,144 rows it won for N = K = 256, and was 20% slower than
-:data:`CONFIG` on PET's 700,000 (H200, session 10)."""
+:data:`CONFIG` on PET's 700,000 (H200)."""
 
 
 class Words(NamedTuple):

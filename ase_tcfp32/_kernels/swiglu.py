@@ -77,7 +77,7 @@ def _launch(y: torch.Tensor) -> tuple:
 
 
 def forward(y: torch.Tensor) -> torch.Tensor:
-    """``v * sigmoid(g)`` [..., F] for ``y`` = [v, g] [..., 2F]."""
+    """``v * sigmoid(g)`` ``[..., F]`` for ``y = [v, g]`` ``[..., 2F]``."""
     rows, features, grid = _launch(y)
     h = y.new_empty(*y.shape[:-1], features)
     if rows and features:

@@ -9,7 +9,7 @@ small (correction) products go into a second tensor-core accumulator that runs o
 all of K and is added at the end. The tile sum is added one iteration late so that
 the tensor cores are not waited for right after each product (measured on H200:
 1.58-2.23x cuBLAS FP32 on the large PET-S shapes, against 1.41-1.88x when the
-corrections were chained into each tile, at the same error; ``docs/kernel_notes.md``).
+corrections were chained into each tile, at the same error; ``docs/design.md``).
 On Hopper the tiles come in through TMA descriptors; elsewhere through pointer loads.
 The dX backward is the same kernel with the pre-split ``w^T``.
 

@@ -5,14 +5,14 @@
 
 The package's kernels take one 64-row block per program and loop over the 8 heads, the
 next head's loads in flight; the backward holds P, dP, dS and the head-summed mask
-gradient at once and spills at 255 registers (kernel notes, sessions 12 and 18).
+gradient at once and spills at 255 registers (``docs/design.md``).
 
 - **split**: the backward in two kernels, A computing dQ and the mask gradient, B dK and
   dV; each recomputes P and dP (21 TF32x3 products against 15, Q/K/V/dO read twice) with
   about half the live tiles.
 - **padded** (PET-M): the package's forward with a head of 48 padded to 64 columns, as
   before its heads were read in two power-of-two chunks (32 + 16). The backward read in
-  chunks lost (19.38 ms against 18.74 padded, session 19) and stays padded.
+  chunks lost (19.38 ms against 18.74 padded) and stays padded.
 - **per head**: one program per (block, head), no loop and no loop-carried mask gradient
   (offsets from a per-block base in int32); the backward writes each head's mask gradient
   [H, B, T, T] and torch sums them. Forward 199 registers and no spills, backward 100 bytes

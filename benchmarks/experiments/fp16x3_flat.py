@@ -17,13 +17,11 @@ orders, BK = 64, which changes the bits: every variant's error vs FP64 is record
 the lever "tuning per row count" it also times the package's tuning candidates on the rows
 the autotuner uses (``autotune.tuning_rows``) and on the shape's own rows.
 
-Measured on the H200 in session 23 (``docs/kernel_notes.md``, "Session 23"): the flattened
+Measured on the H200 (``docs/design.md``, "The fp16x3 GEMM levers measured"): the flattened
 loop is ~3% slower than the package on average and faster on 1 of 18 shapes per model, so
 it was not adopted; the tuning candidates' winners differ by less than the run-to-run
-noise; BK = 64 with 2 stages gains ~3% on average, not on every shape. Raw results:
-``fp16x3_flat_h200_session23.json`` (``--out``, before the package's BK = 64 variant was
-added) and ``fp16x3_bk64_h200_session23.json`` (``--no-tuning --variants "package;package,
-BK 64, 2 stages;flat, BK 64, 2 stages;flat"``).
+noise; BK = 64 with 2 stages gains ~3% on average, not on every shape (``--no-tuning
+--variants "package;package, BK 64, 2 stages;flat, BK 64, 2 stages;flat"``).
 """
 
 from __future__ import annotations

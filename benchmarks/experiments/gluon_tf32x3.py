@@ -16,7 +16,7 @@ Measured on H200 (``benchmarks/experiments/gluon_variants.py``, four runs): the 
 variant at 4 stages 1.55-1.88x cuBLAS FP32 on the 17,280-atom PET-S shapes, the Triton
 kernel 1.44-1.80x in the same runs (about 3% apart on average, at the same error), so the
 Triton kernel stays the tf32x3 default. Compiled offline, ptxas serialises this kernel's
-wgmma (a full wait after each one) like the Triton kernel's (``docs/kernel_notes.md``).
+wgmma (a full wait after each one) like the Triton kernel's (``docs/design.md``).
 Its building blocks shared with the fp16x3 kernel are in ``ase_tcfp32/_kernels/gluon_common.py``.
 """
 

@@ -3,7 +3,7 @@
 Each variant is the production kernel's arithmetic (per-K-tile fresh accumulator for the
 small terms, FP32 running sum) with one structural change; every variant is timed against
 cuBLAS FP32 in the same run and its error vs FP64 printed, so that a faster variant that
-loses accuracy shows up. Results go to ``docs/kernel_notes.md``.
+loses accuracy shows up. Its findings are in ``docs/design.md``.
 
     python benchmarks/experiments/kernel_variants.py [--json out.json]
 """
