@@ -2,6 +2,7 @@
 
 from .calculator import TCPETCalculator
 from .layers import TCLinear, restore_linear_layers, swap_linear_layers, tc_linear
+from ._prepare import prepare_model
 from .models import ModelDownloadError, known_models, load_pet
 from .watchdog import PrecisionWarning
 from .precision import (
@@ -26,6 +27,7 @@ __all__ = [
     "available_precisions",
     "known_models",
     "load_pet",
+    "prepare_model",
     "restore_linear_layers",
     "swap_linear_layers",
     "tc_linear",

@@ -1,6 +1,6 @@
 """The metatomic engine: metatomic-ase's ``MetatomicCalculator`` around the exported model.
 
-Neighbor lists come from vesin through metatomic-ase (with its own Verlet skin), forces and
+Neighbor lists are vesin's, through metatomic-ase (with its own Verlet skin), forces and
 the strain-derivative stress from autograd in TorchScript. Slower per step than the lean
 engine, but it evaluates every PET the lean engine cannot (long-range modules,
 charge/spin conditioning, other additive models or units).
