@@ -16,6 +16,8 @@ demo: $(VENV)/.installed
 	@$(PY) examples/md_water.py
 
 test: $(VENV)/.installed
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q tests
 
 gpu-test: $(VENV)/.installed
@@ -28,6 +30,10 @@ docs: $(VENV)/.installed
 plots: $(VENV)/.installed
 	$(PY) benchmarks/plot.py
 	$(PY) benchmarks/report.py
+
+format: $(VENV)/.installed
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis site

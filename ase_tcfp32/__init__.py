@@ -1,10 +1,10 @@
 """PET machine-learned potentials in ASE with FP32-accurate tensor-core GEMMs."""
 
+from ._prepare import prepare_model
+from ._version import __version__
 from .calculator import TCPETCalculator
 from .layers import TCLinear, restore_linear_layers, swap_linear_layers, tc_linear
-from ._prepare import prepare_model
 from .models import ModelDownloadError, known_models, load_pet
-from .watchdog import PrecisionWarning
 from .precision import (
     PRECISIONS,
     EmulationWarning,
@@ -12,10 +12,10 @@ from .precision import (
     auto_precision,
     available_precisions,
 )
-
-from ._version import __version__
+from .watchdog import PrecisionWarning
 
 __all__ = [
+    "__version__",
     "PRECISIONS",
     "EmulationWarning",
     "ModelDownloadError",

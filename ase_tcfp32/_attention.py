@@ -41,8 +41,9 @@ def _attention_op(qkv: torch.Tensor, mask: torch.Tensor, heads: int, scale: floa
 
 
 @torch.library.custom_op("ase_tcfp32::attention_backward", mutates_args=())
-def _attention_backward_op(grad_out: torch.Tensor, qkv: torch.Tensor, mask: torch.Tensor, heads: int,
-                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _attention_backward_op(
+    grad_out: torch.Tensor, qkv: torch.Tensor, mask: torch.Tensor, heads: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`ase_tcfp32._kernels.attention.backward`, opaque to ``torch.compile``."""
     return _kernels().backward(grad_out, qkv, mask, heads, scale)
 
@@ -117,13 +118,23 @@ class _PackedAttentionFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out, node_grad_out):
         qkv, node_qkv, bias, *blocks = ctx.saved_tensors
-        grads = _kernels().backward_packed(grad_out, node_grad_out, qkv, node_qkv, bias, ctx.sequences, ctx.heads,
-                                           ctx.scale, blocks=_kernels().Blocks(*blocks))  # fmt: skip
+        grads = _kernels().backward_packed(
+            grad_out,
+            node_grad_out,
+            qkv,
+            node_qkv,
+            bias,
+            ctx.sequences,
+            ctx.heads,
+            ctx.scale,
+            blocks=_kernels().Blocks(*blocks),
+        )
         return (*grads, None, None, None)
 
 
-def tc_attention_packed(qkv: torch.Tensor, node_qkv: torch.Tensor, bias: torch.Tensor, sequences, heads: int,
-                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def tc_attention_packed(
+    qkv: torch.Tensor, node_qkv: torch.Tensor, bias: torch.Tensor, sequences, heads: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`tc_attention` on sequences stored without padding (PET's packed rows,
     :mod:`ase_tcfp32._packed`): atom a attends over its center token (``node_qkv`` [N,
     3*H*D], row a) and its neighbors' tokens (``qkv`` [E, 3*H*D], the rows ``sequences``
@@ -138,15 +149,20 @@ def tc_attention_packed(qkv: torch.Tensor, node_qkv: torch.Tensor, bias: torch.T
         return packed_attention_in_torch(qkv, node_qkv, bias, sequences, heads, scale)
     head_dim = qkv.shape[1] // (3 * heads)
     if sequences.tokens > _kernels().max_tokens(head_dim):
-        warnings.warn(f"PET attention runs in torch, slower: the kernels take at most {_kernels().max_tokens(head_dim)} "
-                      f"tokens with heads of {head_dim}, these sequences have up to {sequences.tokens}", stacklevel=2)  # fmt: skip
+        warnings.warn(
+            f"PET attention runs in torch, slower: the kernels take at most {_kernels().max_tokens(head_dim)} "
+            f"tokens with heads of {head_dim}, these sequences have up to {sequences.tokens}",
+            stacklevel=2,
+        )
         return packed_attention_in_torch(qkv, node_qkv, bias, sequences, heads, scale)
-    return _PackedAttentionFunction.apply(qkv.contiguous(), node_qkv.contiguous(), bias.contiguous(), sequences, heads,
-                                          scale)  # fmt: skip
+    return _PackedAttentionFunction.apply(
+        qkv.contiguous(), node_qkv.contiguous(), bias.contiguous(), sequences, heads, scale
+    )
 
 
-def packed_attention_in_torch(qkv: torch.Tensor, node_qkv: torch.Tensor, bias: torch.Tensor, sequences, heads: int,
-                              scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def packed_attention_in_torch(
+    qkv: torch.Tensor, node_qkv: torch.Tensor, bias: torch.Tensor, sequences, heads: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`tc_attention_packed` in torch, any dtype and device: the sequences gathered
     into [N, T] padded ones (their padding keys at -inf), attended, and scattered back."""
     atoms, tokens, edges = node_qkv.shape[0], sequences.tokens, qkv.shape[0]
@@ -168,9 +184,12 @@ def _forward(self, x: torch.Tensor, cutoff_factors: torch.Tensor, use_manual_att
         return super(type(self), self).forward(x, cutoff_factors, use_manual_attention)
     if tokens > self._max_tokens:
         if not self._warned_fallback:
-            why = (f"heads of {self.head_dim} are wider than the kernels' 64" if self._max_tokens == 0 else
-                   f"the kernels take at most {self._max_tokens} tokens with heads of {self.head_dim}, "
-                   f"these sequences have {tokens}")  # fmt: skip
+            why = (
+                f"heads of {self.head_dim} are wider than the kernels' 64"
+                if self._max_tokens == 0
+                else f"the kernels take at most {self._max_tokens} tokens with heads of {self.head_dim}, "
+                f"these sequences have {tokens}"
+            )
             warnings.warn(f"PET attention runs in torch's FP32 SDPA here: {why}", stacklevel=2)
             self._warned_fallback = True
         return super(type(self), self).forward(x, cutoff_factors, use_manual_attention)
@@ -181,8 +200,13 @@ def _forward(self, x: torch.Tensor, cutoff_factors: torch.Tensor, use_manual_att
 
 
 _classes, __getattr__ = lazy_subclass(
-    __name__, "TCAttentionBlock", "metatrain.pet.modules.transformer.AttentionBlock", _warned_fallback=False,
-    forward=_forward, __doc__="metatrain's AttentionBlock with its attention in :func:`tc_attention`.")  # fmt: skip
+    __name__,
+    "TCAttentionBlock",
+    "metatrain.pet.modules.transformer.AttentionBlock",
+    _warned_fallback=False,
+    forward=_forward,
+    __doc__="metatrain's AttentionBlock with its attention in :func:`tc_attention`.",
+)
 """metatrain's ``AttentionBlock`` and ``TCAttentionBlock``, our subclass (:func:`ase_tcfp32._swapping.lazy_subclass`)."""
 
 

@@ -11,7 +11,7 @@ from ._kernels import GemmBackend, ReferenceBackend
 from .precision import support
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_backend(precision: str, device: torch.device, emulate: str | None = None) -> GemmBackend:
     """The backend that computes ``precision`` on ``device``, or the tensor-core model of
     GPU ``emulate`` (on CPU) when given."""

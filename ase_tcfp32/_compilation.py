@@ -3,7 +3,7 @@ set only while a compiled function runs (no process-wide change)."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

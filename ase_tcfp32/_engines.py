@@ -14,14 +14,14 @@ dict of results per structure. :func:`make_engine` builds the one a calculator a
 from __future__ import annotations
 
 import sys
-from typing import Collection, Protocol
+from collections.abc import Collection
+from typing import Protocol
 
 import torch
 from ase import Atoms
 
 from ._lean import LeanPET, unsupported_reason
 from ._packed import unsupported_reason as packed_problem
-
 
 PROPERTIES = ("energy", "energies", "forces", "stress")
 """What an engine computes (and what :meth:`Engine.compute` may be asked for)."""
@@ -67,12 +67,16 @@ def choose_engine(pet: torch.nn.Module, device: torch.device, low_memory: bool) 
 def choose_engine_for(device: torch.device | str, low_memory: bool = False) -> tuple[str, str]:
     """:func:`choose_engine` for a model the lean engine can evaluate (PET-MAD and the uPETs)."""
     if torch.device(device).type != "cuda":
-        return "lean", (f"the model on plain tensors, neighbor skin {LARGE_SKIN} Å: on a CPU as fast per step as "
-                        "metatomic-ase and about twice as quick to its first step (docs/usage.md)")  # fmt: skip
+        return "lean", (
+            f"the model on plain tensors, neighbor skin {LARGE_SKIN} Å: on a CPU as fast per step as "
+            "metatomic-ase and about twice as quick to its first step (docs/usage.md)"
+        )
     if low_memory:
         return "lean", f"low_memory=True: recomputed layers, no CUDA graphs, neighbor skin {LARGE_SKIN} Å"
-    return "lean", (f"CUDA graphs for systems up to {GRAPH_ATOMS} atoms (neighbor skin {SMALL_SKIN} Å), "
-                    f"plain launches above (skin {LARGE_SKIN} Å)")  # fmt: skip
+    return "lean", (
+        f"CUDA graphs for systems up to {GRAPH_ATOMS} atoms (neighbor skin {SMALL_SKIN} Å), "
+        f"plain launches above (skin {LARGE_SKIN} Å)"
+    )
 
 
 def check_engine(engine: str, device: torch.device, low_memory: bool) -> None:
@@ -85,9 +89,17 @@ def check_engine(engine: str, device: torch.device, low_memory: bool) -> None:
         raise ValueError(f"engine='graphs' records CUDA graphs and needs a CUDA device, not '{device}'")
 
 
-def make_engine(pet: torch.nn.Module, device: torch.device, engine: str = "auto", *, neighbor_skin: float | None = None,
-                low_memory: bool = False, compile: bool = False, check_every: int = 0,
-                packed: bool = False) -> tuple[Engine, str, str]:  # fmt: skip
+def make_engine(
+    pet: torch.nn.Module,
+    device: torch.device,
+    engine: str = "auto",
+    *,
+    neighbor_skin: float | None = None,
+    low_memory: bool = False,
+    compile: bool = False,
+    check_every: int = 0,
+    packed: bool = False,
+) -> tuple[Engine, str, str]:
     """The engine ``engine`` (one of :data:`ENGINES`) for the prepared ``pet`` on ``device``,
     the name of the one it runs, and why, in words.
 

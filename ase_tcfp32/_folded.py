@@ -33,8 +33,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .layers import TCLinear
 from ._swapping import lazy_subclass, swap_class
+from .layers import TCLinear
 
 
 class Folded(NamedTuple):
@@ -68,8 +68,16 @@ def folded(self) -> Folded:
         bias = w[:, :d] @ self.edge_embedder.bias.double() + first.bias.double()
         species = bias[None] if self.is_first else self.neighbor_embedder.weight.double() @ w[:, d : 2 * d].T + bias
         if isinstance(first, TCLinear):
-            messages = TCLinear(d, d, bias=False, device=device, dtype=dtype, precision=first.precision,
-                                emulate=first.emulate, check_accuracy=first.check_accuracy)  # fmt: skip
+            messages = TCLinear(
+                d,
+                d,
+                bias=False,
+                device=device,
+                dtype=dtype,
+                precision=first.precision,
+                emulate=first.emulate,
+                check_accuracy=first.check_accuracy,
+            )
             messages.name = f"{first.name} (input messages)"
         else:
             messages = nn.Linear(d, d, bias=False, device=device, dtype=dtype)
@@ -80,8 +88,9 @@ def folded(self) -> Folded:
     return fold
 
 
-def compress(self, messages: torch.Tensor, vectors: torch.Tensor, distances: torch.Tensor,
-             species: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def compress(
+    self, messages: torch.Tensor, vectors: torch.Tensor, distances: torch.Tensor, species: torch.Tensor
+) -> torch.Tensor:
     """The layer's edge tokens [..., d] (its ``compress`` applied to ``[edge_embedder([v,
     |v|]), neighbor_embedder(species), m]``) through its :func:`folded` weights, for the
     input ``messages`` [..., d], edge ``vectors`` [..., 3] (Å), their ``distances`` [...]
@@ -94,40 +103,67 @@ def compress(self, messages: torch.Tensor, vectors: torch.Tensor, distances: tor
     return self.compress[2](self.compress[1](compressed))
 
 
-def _forward(self, input_node_embeddings: torch.Tensor, input_messages: torch.Tensor,
-             element_indices_neighbors: torch.Tensor, edge_vectors: torch.Tensor, padding_mask: torch.Tensor,
-             edge_distances: torch.Tensor, cutoff_factors: torch.Tensor, use_manual_attention: bool) -> tuple:  # fmt: skip
+def _forward(
+    self,
+    input_node_embeddings: torch.Tensor,
+    input_messages: torch.Tensor,
+    element_indices_neighbors: torch.Tensor,
+    edge_vectors: torch.Tensor,
+    padding_mask: torch.Tensor,
+    edge_distances: torch.Tensor,
+    cutoff_factors: torch.Tensor,
+    use_manual_attention: bool,
+) -> tuple:
     """``CartesianTransformer.forward`` with the folded compression (see the module doc)."""
     if use_manual_attention or self.compress[0].weight.requires_grad or torch.compiler.is_compiling():
-        return super(type(self), self).forward(input_node_embeddings, input_messages, element_indices_neighbors,
-                                               edge_vectors, padding_mask, edge_distances, cutoff_factors,
-                                               use_manual_attention)  # fmt: skip
+        return super(type(self), self).forward(
+            input_node_embeddings,
+            input_messages,
+            element_indices_neighbors,
+            edge_vectors,
+            padding_mask,
+            edge_distances,
+            cutoff_factors,
+            use_manual_attention,
+        )
     edge_tokens = compress(self, input_messages, edge_vectors, edge_distances, element_indices_neighbors)
 
     # from here on, metatrain's CartesianTransformer.forward
     atoms = padding_mask.shape[0]
-    total_padding_mask = torch.cat([torch.ones(atoms, 1, dtype=torch.bool, device=padding_mask.device), padding_mask], dim=1)
-    cutoff_factors = torch.cat([torch.ones(atoms, 1, dtype=cutoff_factors.dtype, device=padding_mask.device),
-                                cutoff_factors], dim=1)  # fmt: skip
+    total_padding_mask = torch.cat(
+        [torch.ones(atoms, 1, dtype=torch.bool, device=padding_mask.device), padding_mask], dim=1
+    )
+    cutoff_factors = torch.cat(
+        [torch.ones(atoms, 1, dtype=cutoff_factors.dtype, device=padding_mask.device), cutoff_factors], dim=1
+    )
     cutoff_factors[~total_padding_mask] = 0.0
     cutoff_factors = cutoff_factors[:, None, :]
     cutoff_factors = cutoff_factors.repeat(1, cutoff_factors.shape[2], 1)
     initial_num_tokens, max_num_tokens = edge_vectors.shape[1], input_messages.shape[1]
     output_node_embeddings, output_edge_embeddings = self.trans(
-        input_node_embeddings[:, None, :], edge_tokens[:, :max_num_tokens, :],
+        input_node_embeddings[:, None, :],
+        edge_tokens[:, :max_num_tokens, :],
         cutoff_factors=cutoff_factors[:, : (max_num_tokens + 1), : (max_num_tokens + 1)],
         use_manual_attention=use_manual_attention,
-    )  # fmt: skip
+    )
     if max_num_tokens < initial_num_tokens:
-        padding = torch.zeros(output_edge_embeddings.shape[0], initial_num_tokens - max_num_tokens,
-                              output_edge_embeddings.shape[2], device=output_edge_embeddings.device)  # fmt: skip
+        padding = torch.zeros(
+            output_edge_embeddings.shape[0],
+            initial_num_tokens - max_num_tokens,
+            output_edge_embeddings.shape[2],
+            device=output_edge_embeddings.device,
+        )
         output_edge_embeddings = torch.cat([output_edge_embeddings, padding], dim=1)
     return output_node_embeddings.squeeze(1), output_edge_embeddings
 
 
 _classes, __getattr__ = lazy_subclass(
-    __name__, "FoldedCartesianTransformer", "metatrain.pet.modules.transformer.CartesianTransformer", forward=_forward,
-    __doc__="metatrain's CartesianTransformer with its edge embeddings folded into the compression's weights.")  # fmt: skip
+    __name__,
+    "FoldedCartesianTransformer",
+    "metatrain.pet.modules.transformer.CartesianTransformer",
+    forward=_forward,
+    __doc__="metatrain's CartesianTransformer with its edge embeddings folded into the compression's weights.",
+)
 """metatrain's ``CartesianTransformer`` and ``FoldedCartesianTransformer``, our subclass."""
 
 

@@ -82,8 +82,12 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 _classes, _feed_forward_getattr = lazy_subclass(
-    __name__, "FusedFeedForward", "metatrain.pet.modules.transformer.FeedForward", forward=_forward,
-    __doc__="metatrain's FeedForward with its SwiGLU in :func:`swiglu`.")  # fmt: skip
+    __name__,
+    "FusedFeedForward",
+    "metatrain.pet.modules.transformer.FeedForward",
+    forward=_forward,
+    __doc__="metatrain's FeedForward with its SwiGLU in :func:`swiglu`.",
+)
 """metatrain's ``FeedForward`` and ``FusedFeedForward``, our subclass (:func:`ase_tcfp32._swapping.lazy_subclass`)."""
 
 
@@ -131,11 +135,24 @@ def _feedforward_featurization_impl(self, inputs: dict, use_manual_attention: bo
     mask = inputs["padding_mask"]
     slots = torch.arange(mask.numel(), device=mask.device).reshape(mask.shape)
     reverse = torch.where(mask, inputs["reverse_neighbor_index"], slots)  # the padding its own reverse: an involution
-    layers = (self.combination_norms, self.combination_mlps, self.gnn_layers, self.gnn_layers_post_mp_node,
-              self.gnn_layers_post_mp_edge)  # fmt: skip
+    layers = (
+        self.combination_norms,
+        self.combination_mlps,
+        self.gnn_layers,
+        self.gnn_layers_post_mp_node,
+        self.gnn_layers_post_mp_edge,
+    )
     for norm, mlp, gnn_layer, post_node, post_edge in zip(*layers, strict=True):
-        out_nodes, out_edges = gnn_layer(nodes, edges, inputs["element_indices_neighbors"], inputs["edge_vectors"], mask,
-                                         inputs["edge_distances"], inputs["cutoff_factors"], use_manual_attention)  # fmt: skip
+        out_nodes, out_edges = gnn_layer(
+            nodes,
+            edges,
+            inputs["element_indices_neighbors"],
+            inputs["edge_vectors"],
+            mask,
+            inputs["edge_distances"],
+            inputs["cutoff_factors"],
+            use_manual_attention,
+        )
         if conditioning is not None:
             out_nodes = out_nodes + conditioning
         edges = edges + out_edges + mlp(combine_messages(out_edges, reverse, norm))
@@ -144,9 +161,12 @@ def _feedforward_featurization_impl(self, inputs: dict, use_manual_attention: bo
 
 
 _backend_classes, _backend_getattr = lazy_subclass(
-    __name__, "FusedPETBackend", "metatrain.pet.modules.backend.PETBackend",
+    __name__,
+    "FusedPETBackend",
+    "metatrain.pet.modules.backend.PETBackend",
     _feedforward_featurization_impl=_feedforward_featurization_impl,
-    __doc__="metatrain's PETBackend with its feed-forward featurizer's message combination in :func:`combine_messages`.")  # fmt: skip
+    __doc__="metatrain's PETBackend with its feed-forward featurizer's message combination in :func:`combine_messages`.",
+)
 """metatrain's ``PETBackend`` and ``FusedPETBackend``, our subclass."""
 
 

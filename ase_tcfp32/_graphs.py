@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -63,6 +63,7 @@ def neighbor_table(kept: Kept, pairs: Pairs, species: torch.Tensor, columns: tor
     }
     return batch, counts.max()
 
+
 def packed_rows(kept: Kept, pairs: Pairs, species: torch.Tensor, columns: torch.Tensor, rows: int) -> tuple:
     """PET's inputs on packed rows (:class:`ase_tcfp32._packed.Packed`: the ``kept`` pairs,
     atom by atom, in ``rows`` rows), the largest neighbor count and the kept pairs' number
@@ -86,10 +87,20 @@ def packed_rows(kept: Kept, pairs: Pairs, species: torch.Tensor, columns: torch.
     total = before[-1]
     own = torch.arange(rows, device=keep.device)  # a padding row is its own reverse
     reverse = torch.where(real, row.index_select(0, pairs.reverse.index_select(0, spread)), own)
-    sequences = Sequences(first, torch.minimum(counts, (rows - first).clamp_min(0)), total.clamp_max(rows),
-                          columns.shape[0] + 1)  # fmt: skip  (no row past the buffer's end is read)
+    sequences = Sequences(
+        first, torch.minimum(counts, (rows - first).clamp_min(0)), total.clamp_max(rows), columns.shape[0] + 1
+    )  # no row past the buffer's end is read
     edge_vectors = packed(vectors)
     distances = torch.sqrt(torch.sum(edge_vectors**2, dim=1) + 1e-15)  # as the table's "edge_distances"
-    inputs = Packed(species, packed(species[pairs.neighbors]), edge_vectors, distances, packed(factors),
-                    packed(pairs.centers), real, reverse.clamp_max(rows - 1), sequences)  # fmt: skip
+    inputs = Packed(
+        species,
+        packed(species[pairs.neighbors]),
+        edge_vectors,
+        distances,
+        packed(factors),
+        packed(pairs.centers),
+        real,
+        reverse.clamp_max(rows - 1),
+        sequences,
+    )
     return inputs, counts.max(), total

@@ -85,7 +85,9 @@ def _per_type_energy(pet: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     types = torch.tensor(pet.atomic_types, dtype=torch.int32)
     dtype = next(pet.parameters()).dtype
     positions = 10.0 * torch.arange(3 * len(types), dtype=dtype).reshape(-1, 3)  # isolated atoms
-    system = System(types=types, positions=positions, cell=torch.zeros(3, 3, dtype=dtype), pbc=torch.zeros(3, dtype=torch.bool))
+    system = System(
+        types=types, positions=positions, cell=torch.zeros(3, 3, dtype=dtype), pbc=torch.zeros(3, dtype=torch.bool)
+    )
     request = {"energy": ModelOutput(sample_kind="atom")}
     scale = torch.zeros(int(types.max()) + 1, dtype=torch.float64)
     offset = torch.zeros_like(scale)
@@ -108,8 +110,11 @@ def cutoff_kernel_usable(device: torch.device) -> bool:
         return False
     problem = triton_build_problem()
     if problem is not None:
-        warnings.warn(f"PET's adaptive cutoffs run in metatrain's torch code, slower: Triton cannot build its launchers "
-                      f"here ({problem})", stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"PET's adaptive cutoffs run in metatrain's torch code, slower: Triton cannot build its launchers "
+            f"here ({problem})",
+            stacklevel=3,
+        )
     return problem is None
 
 
@@ -132,9 +137,17 @@ class LeanPET:
         (:mod:`ase_tcfp32._packed`: its attention on tensor cores; not with ``compile``).
     """
 
-    def __init__(self, pet: torch.nn.Module, device: torch.device, skin: float = 2.0, graph_atoms: int = 0,
-                 large_skin: float | None = None, compile: bool = False, check_every: int = 0,
-                 packed: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        pet: torch.nn.Module,
+        device: torch.device,
+        skin: float = 2.0,
+        graph_atoms: int = 0,
+        large_skin: float | None = None,
+        compile: bool = False,
+        check_every: int = 0,
+        packed: bool = False,
+    ):
         from metatrain.pet.modules import adaptive_cutoff, utilities
 
         reason = unsupported_reason(pet)
@@ -166,7 +179,9 @@ class LeanPET:
         self._graph: Graph | None = None
         self._far = torch.tensor([_FAR, 0.0, 0.0], device=device, dtype=self.dtype)  # here: no host copy in a graph
         solver = self.backend.adaptive_cutoff_method.lower() == "solver"
-        self._adaptive_cutoffs = adaptive_cutoff.get_adaptive_cutoffs_solver if solver else adaptive_cutoff.get_adaptive_cutoffs_grid
+        self._adaptive_cutoffs = (
+            adaptive_cutoff.get_adaptive_cutoffs_solver if solver else adaptive_cutoff.get_adaptive_cutoffs_grid
+        )
         self._solver_kernel = None  # the solver's iterations in one kernel of ours: on CUDA, in FP32
         if solver and self.dtype == torch.float32 and cutoff_kernel_usable(device):
             from ._kernels.cutoffs import adaptive_cutoffs
@@ -229,17 +244,33 @@ class LeanPET:
 
         if backend.num_neighbors_adaptive is not None:
             if self._solver_kernel is not None:
-                atomic = self._solver_kernel(pairs.centers, distances, pairs.first, backend.num_neighbors_adaptive,
-                                             backend.cutoff, self.pet.cutoff_width_adaptive)  # fmt: skip
+                atomic = self._solver_kernel(
+                    pairs.centers,
+                    distances,
+                    pairs.first,
+                    backend.num_neighbors_adaptive,
+                    backend.cutoff,
+                    self.pet.cutoff_width_adaptive,
+                )
             else:
-                atomic = self._adaptive_cutoffs(pairs.centers, distances, backend.num_neighbors_adaptive, n,
-                                                backend.cutoff, cutoff_width=self.pet.cutoff_width_adaptive)  # fmt: skip
-            pair_cutoffs = PairTerms.apply(atomic, pairs.centers, pairs.neighbors, pairs.reverse, pairs.first, 1.0) / 2.0
+                atomic = self._adaptive_cutoffs(
+                    pairs.centers,
+                    distances,
+                    backend.num_neighbors_adaptive,
+                    n,
+                    backend.cutoff,
+                    cutoff_width=self.pet.cutoff_width_adaptive,
+                )
+            pair_cutoffs = (
+                PairTerms.apply(atomic, pairs.centers, pairs.neighbors, pairs.reverse, pairs.first, 1.0) / 2.0
+            )
         else:
             pair_cutoffs = torch.full_like(distances, backend.cutoff)
         keep = (distances <= pair_cutoffs) & pairs.valid
         factors = self._cutoff_function(distances, pair_cutoffs, backend.cutoff_width)
-        before = torch.nn.functional.pad(torch.cumsum(keep.long(), 0), (1, 0))  # [capacity + 1]: kept pairs before pair k
+        before = torch.nn.functional.pad(
+            torch.cumsum(keep.long(), 0), (1, 0)
+        )  # [capacity + 1]: kept pairs before pair k
         counts = before[pairs.first[1:]] - before[pairs.first[:-1]]
         return Kept(vectors, factors, keep, before, counts)
 
@@ -249,8 +280,9 @@ class LeanPET:
         kept = self._kept_pairs(vectors, numbers.shape[0])
         return neighbor_table(kept, self.pairs, self.backend.species_to_species_index[numbers], columns)
 
-    def energy_terms(self, vectors: torch.Tensor, cells: torch.Tensor, numbers: torch.Tensor,
-                     system: torch.Tensor) -> tuple:  # fmt: skip
+    def energy_terms(
+        self, vectors: torch.Tensor, cells: torch.Tensor, numbers: torch.Tensor, system: torch.Tensor
+    ) -> tuple:
         """Per-atom energies [N] (eV, float64: PET's FP32 output, scaled and offset in
         float64) and the sizes the step needed (a tensor [2]: the largest neighbor count and,
         on packed rows, the kept pairs' number), for the pair ``vectors`` [capacity, 3] of
@@ -269,8 +301,9 @@ class LeanPET:
             total = torch.zeros_like(most)
         return predictions.double() * self.scale[numbers] + self.offset[numbers], torch.stack([most, total])
 
-    def _step(self, positions: torch.Tensor, cells: torch.Tensor, numbers: torch.Tensor, system: torch.Tensor,
-              stress: bool) -> dict:  # fmt: skip
+    def _step(
+        self, positions: torch.Tensor, cells: torch.Tensor, numbers: torch.Tensor, system: torch.Tensor, stress: bool
+    ) -> dict:
         """Per-structure energies [S], per-atom energies, forces (and each structure's strain
         derivative [S, 3, 3]) on the device, as tensors; the structures are independent, so
         one backward pass of the summed energy gives every structure's gradients."""
@@ -279,7 +312,9 @@ class LeanPET:
             vectors = pair_vectors(positions, self.pairs)
             energies, sizes = self.energy_terms(vectors, cells, numbers, system)
             grads = torch.autograd.grad(energies.sum(), [positions, vectors] if stress else [positions])
-        totals = torch.zeros(cells.shape[0], dtype=energies.dtype, device=energies.device).index_add_(0, system, energies)
+        totals = torch.zeros(cells.shape[0], dtype=energies.dtype, device=energies.device).index_add_(
+            0, system, energies
+        )
         out = {"energy": totals.detach(), "energies": energies.detach(), "forces": -grads[0], "sizes": sizes}
         if stress:  # dE/d(strain) of structure s: its pairs' v ⊗ dE/dv, summed (see the module doc)
             terms = (vectors.detach()[:, :, None] * grads[1][:, None, :]).reshape(-1, 9)

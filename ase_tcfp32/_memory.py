@@ -15,9 +15,14 @@ def out_of_memory_message(pet: torch.nn.Module, atoms: int, memory: int, gpu: st
     attention = pet.hypers.get("num_attention_layers", 1)
     per_atom = 139e9 / 49_152 * (backend.d_pet / 256) * len(backend.gnn_layers) / 3 * attention
     fits = int(memory / per_atom)
-    hint = ("" if low_memory else
-            f" With low_memory=True (each GNN layer recomputed in the backward pass) about {int(fits * 1.7):,} would.")  # fmt: skip
-    return (f"{atoms:,} atoms did not fit in the {memory / 1e9:.0f} GB of {gpu} with this model (d_pet "
-            f"{backend.d_pet}, {len(backend.gnn_layers)} GNN layers). Estimated largest system here: about {fits:,} "
-            f"atoms (from the water boxes measured on an H200, docs/performance.md).{hint} Smaller systems, or "
-            "several GPUs through i-PI for many structures (docs/scaling.md), are the other ways out.")  # fmt: skip
+    hint = (
+        ""
+        if low_memory
+        else f" With low_memory=True (each GNN layer recomputed in the backward pass) about {int(fits * 1.7):,} would."
+    )
+    return (
+        f"{atoms:,} atoms did not fit in the {memory / 1e9:.0f} GB of {gpu} with this model (d_pet "
+        f"{backend.d_pet}, {len(backend.gnn_layers)} GNN layers). Estimated largest system here: about {fits:,} "
+        f"atoms (from the water boxes measured on an H200, docs/performance.md).{hint} Smaller systems, or "
+        "several GPUs through i-PI for many structures (docs/scaling.md), are the other ways out."
+    )

@@ -29,8 +29,13 @@ class MetatomicEngine:
         import_dependencies(metatomic_ase=True)
         from metatomic_ase import MetatomicCalculator
 
-        self.calculator = MetatomicCalculator(pet.export().eval(), device=str(device), do_gradients_with_energy=False,
-                                              uncertainty_threshold=None, neighbor_skin=skin)  # fmt: skip
+        self.calculator = MetatomicCalculator(
+            pet.export().eval(),
+            device=str(device),
+            do_gradients_with_energy=False,
+            uncertainty_threshold=None,
+            neighbor_skin=skin,
+        )
 
     def compute(self, structures: list[Atoms], properties) -> list[dict]:
         """Per structure: ``energy`` (eV), ``energies`` [n] (eV; for one structure only when
@@ -46,7 +51,9 @@ class MetatomicEngine:
     def _single(self, atoms: Atoms, properties) -> dict:
         wanted = ["energy", "forces"] + (["energies"] if "energies" in properties else [])
         self.calculator.calculate(atoms, wanted, all_changes)
-        result = {key: value for key, value in self.calculator.results.items() if key in ("energy", "energies", "forces")}
+        result = {
+            key: value for key, value in self.calculator.results.items() if key in ("energy", "energies", "forces")
+        }
         if "stress" in properties and "stress" in self.calculator.results:  # given for 3D-periodic systems
             result["stress"] = voigt_6_to_full_3x3_stress(self.calculator.results["stress"])
         return result
@@ -56,8 +63,11 @@ class MetatomicEngine:
         out = self.calculator.compute_energy(structures, compute_forces_and_stresses=True, per_atom=True)
         results = []
         for k, atoms in enumerate(structures):
-            result = {"energy": float(out["energy"][k]), "energies": np.asarray(out["energies"][k], float),
-                      "forces": np.asarray(out["forces"][k], float)}  # fmt: skip
+            result = {
+                "energy": float(out["energy"][k]),
+                "energies": np.asarray(out["energies"][k], float),
+                "forces": np.asarray(out["forces"][k], float),
+            }
             if stress and periodic:
                 result["stress"] = np.asarray(out["stress"][k], float).reshape(3, 3)
             results.append(result)

@@ -72,8 +72,9 @@ def all_pairs(positions: torch.Tensor, cells: np.ndarray, cutoff: float, reach: 
     grid = np.stack(np.meshgrid(*[np.arange(-r, r + 1) for r in reach], indexing="ij"), -1).reshape(-1, 3)
     device, dtype = positions.device, positions.dtype
     shifts = torch.tensor(grid, device=device)  # [I, 3]; the middle one is (0, 0, 0)
-    inverse, images, cell = (torch.tensor(a, dtype=dtype, device=device)
-                             for a in (np.linalg.inv(cells), grid @ cells, cells))  # fmt: skip
+    inverse, images, cell = (
+        torch.tensor(a, dtype=dtype, device=device) for a in (np.linalg.inv(cells), grid @ cells, cells)
+    )
     fractional = positions @ inverse
     whole = torch.floor(fractional)  # r = wrapped + whole @ cell
     wrapped = (fractional - whole) @ cell
@@ -83,7 +84,9 @@ def all_pairs(positions: torch.Tensor, cells: np.ndarray, cutoff: float, reach: 
     step = max(1, ALL_PAIRS_LIMIT // (n * n * image_count))
     for start in range(0, count, step):
         w = wrapped[start : start + step]
-        vectors = w[:, None, :, None] - w[:, :, None, None] + images[start : start + step, None, None]  # [b, i, j, I, 3]
+        vectors = (
+            w[:, None, :, None] - w[:, :, None, None] + images[start : start + step, None, None]
+        )  # [b, i, j, I, 3]
         close = (vectors**2).sum(-1) < cutoff**2
         close[:, itself, itself, image_count // 2] = False
         b, i, j, image = close.nonzero(as_tuple=True)
@@ -98,14 +101,16 @@ def _vesin_pairs(positions: torch.Tensor, cell: torch.Tensor, pbc: np.ndarray, c
     from vesin import NeighborList
 
     try:
-        return NeighborList(cutoff=cutoff, full_list=True).compute(points=positions, box=cell, periodic=pbc,
-                                                                   quantities="ijS", copy=True)  # fmt: skip
+        return NeighborList(cutoff=cutoff, full_list=True).compute(
+            points=positions, box=cell, periodic=pbc, quantities="ijS", copy=True
+        )
     except RuntimeError as error:
         raise NeighborListError(str(error)) from error
 
 
-def build_pairs(positions: torch.Tensor, host_cells: np.ndarray, pbcs: np.ndarray, sizes: list[int], cutoff: float,
-                capacity: int) -> Pairs:  # fmt: skip
+def build_pairs(
+    positions: torch.Tensor, host_cells: np.ndarray, pbcs: np.ndarray, sizes: list[int], cutoff: float, capacity: int
+) -> Pairs:
     """Pairs within ``cutoff`` (Å) of the float64 ``positions`` [N, 3] (on CPU or CUDA) of
     structures of ``sizes`` atoms one after another, their cells [S, 3, 3] and ``pbcs``
     [S, 3] (on the host), with atom indices into the whole batch, padded to ``capacity``; when there are
@@ -123,8 +128,13 @@ def build_pairs(positions: torch.Tensor, host_cells: np.ndarray, pbcs: np.ndarra
                 groups.setdefault((size, *reach), []).append(k)
                 continue
         i, j, s = _vesin_pairs(positions[start : start + size], cells[k], pbc, cutoff)
-        found.append((torch.full((len(i),), k, device=device), *(t.to(device, torch.int64) + int(start) for t in (i, j)),
-                      s.to(device, torch.int64)))  # fmt: skip
+        found.append(
+            (
+                torch.full((len(i),), k, device=device),
+                *(t.to(device, torch.int64) + int(start) for t in (i, j)),
+                s.to(device, torch.int64),
+            )
+        )
     for (size, *reach), members in groups.items():
         atoms = torch.from_numpy(starts[members][:, None] + np.arange(size)).to(device)  # [B, size] batch indices
         b, i, j, s = all_pairs(positions[atoms], host_cells[members], cutoff, reach)
@@ -159,7 +169,8 @@ def build_pairs(positions: torch.Tensor, host_cells: np.ndarray, pbcs: np.ndarra
         neighbors=torch.cat([j, j.new_zeros(pad)]),
         shifts=torch.cat([shifts, shifts.new_zeros(pad, 3)]),
         offsets=torch.cat([offsets, offsets.new_zeros(pad, 3)]),
-        bins=torch.cat([structure, structure.new_zeros(pad)]) * VIRIAL_BINS + torch.arange(capacity, device=device) % VIRIAL_BINS,
+        bins=torch.cat([structure, structure.new_zeros(pad)]) * VIRIAL_BINS
+        + torch.arange(capacity, device=device) % VIRIAL_BINS,
         reverse=torch.cat([reverse, torch.arange(count, capacity, device=device)]),
         valid=torch.arange(capacity, device=device) < count,
         first=torch.cat([per_atom.new_zeros(1), torch.cumsum(per_atom, 0)]),
@@ -206,7 +217,7 @@ class Structures(NamedTuple):
     sizes: list[int]  # atoms per structure
 
     @classmethod
-    def of(cls, structures: list[Atoms]) -> "Structures":
+    def of(cls, structures: list[Atoms]) -> Structures:
         return cls(
             np.concatenate([a.positions for a in structures]),
             np.stack([a.cell.array for a in structures]),
@@ -264,8 +275,10 @@ class VerletList:
         except NeighborListError as error:
             if self._search_device.type == "cpu":
                 raise
-            warnings.warn(f"vesin could not build the neighbor list on {self._search_device} ({error}); using the CPU",
-                          stacklevel=4)  # fmt: skip
+            warnings.warn(
+                f"vesin could not build the neighbor list on {self._search_device} ({error}); using the CPU",
+                stacklevel=4,
+            )
             self._search_device = torch.device("cpu")
             return self.update(batch, in_place)
         pairs = pairs._replace(offsets=pairs.offsets.to(self.dtype))

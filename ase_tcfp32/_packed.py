@@ -65,25 +65,29 @@ def _inner(layer: torch.nn.Module) -> torch.nn.Module:
     return layer.module if isinstance(layer, Recomputed) else layer
 
 
-def _attention(block: torch.nn.Module, edges: torch.Tensor, nodes: torch.Tensor, factors: torch.Tensor,
-               sequences) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _attention(
+    block: torch.nn.Module, edges: torch.Tensor, nodes: torch.Tensor, factors: torch.Tensor, sequences
+) -> tuple[torch.Tensor, torch.Tensor]:
     """metatrain's ``AttentionBlock`` on the edge tokens [R, d] and center tokens [N, d],
     the edges' cutoff ``factors`` [R] weighting them as keys (the center tokens': 1)."""
     scale = 1.0 / (block.head_dim**0.5 * block.temperature)
     bias = torch.log(torch.clamp(factors, block.epsilon))
-    out, node_out = tc_attention_packed(block.input_linear(edges), block.input_linear(nodes), bias, sequences,
-                                        block.num_heads, scale)  # fmt: skip
+    out, node_out = tc_attention_packed(
+        block.input_linear(edges), block.input_linear(nodes), bias, sequences, block.num_heads, scale
+    )
     return block.output_linear(out), block.output_linear(node_out)
 
 
-def _transformer_layer(layer: torch.nn.Module, nodes: torch.Tensor, edges: torch.Tensor, factors: torch.Tensor,
-                       sequences) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _transformer_layer(
+    layer: torch.nn.Module, nodes: torch.Tensor, edges: torch.Tensor, factors: torch.Tensor, sequences
+) -> tuple[torch.Tensor, torch.Tensor]:
     """metatrain's ``TransformerLayer`` (PreLN or PostLN) on packed rows: its token
     ``cat`` and ``split`` become two tensors that only the attention reads together."""
     center = layer.center_contraction(nodes)
     if layer.transformer_type == "PreLN":
-        new_edges, new_center = _attention(layer.attention, layer.norm_attention(edges), layer.norm_attention(center),
-                                           factors, sequences)  # fmt: skip
+        new_edges, new_center = _attention(
+            layer.attention, layer.norm_attention(edges), layer.norm_attention(center), factors, sequences
+        )
         edges = edges + new_edges
         edges = edges + layer.mlp(layer.norm_mlp(edges))
     else:
@@ -110,12 +114,18 @@ def features(backend: torch.nn.Module, packed: Packed) -> tuple[torch.Tensor, to
     features [N, d_node] and edge features [R, d_pet] (zero-weighted in the padding rows)."""
     nodes = backend.node_embedders[0](packed.species)
     edges = backend.edge_embedder(packed.neighbor_species)
-    layers = (backend.combination_norms, backend.combination_mlps, backend.gnn_layers, backend.gnn_layers_post_mp_node,
-              backend.gnn_layers_post_mp_edge)  # fmt: skip
+    layers = (
+        backend.combination_norms,
+        backend.combination_mlps,
+        backend.gnn_layers,
+        backend.gnn_layers_post_mp_node,
+        backend.gnn_layers_post_mp_edge,
+    )
     for norm, mlp, gnn_layer, post_node, post_edge in zip(*layers, strict=True):
         if isinstance(gnn_layer, Recomputed) and torch.is_grad_enabled():
-            out_nodes, out_edges = torch.utils.checkpoint.checkpoint(_gnn_layer, gnn_layer.module, nodes, edges, packed,
-                                                                     use_reentrant=False)  # fmt: skip
+            out_nodes, out_edges = torch.utils.checkpoint.checkpoint(
+                _gnn_layer, gnn_layer.module, nodes, edges, packed, use_reentrant=False
+            )
         else:
             out_nodes, out_edges = _gnn_layer(_inner(gnn_layer), nodes, edges, packed)
         edges = edges + out_edges + mlp(combine_messages(out_edges, packed.reverse, norm))
@@ -130,8 +140,9 @@ def energies(backend: torch.nn.Module, packed: Packed) -> torch.Tensor:
     nodes, edges = features(backend, packed)
     node_features = backend.node_heads["energy"][0](nodes)
     edge_features = backend.edge_heads["energy"][0](edges)
-    node_last, edge_last = (next(iter(layers["energy"][0].values())) for layers in (backend.node_last_layers,
-                                                                                     backend.edge_last_layers))  # fmt: skip
+    node_last, edge_last = (
+        next(iter(layers["energy"][0].values())) for layers in (backend.node_last_layers, backend.edge_last_layers)
+    )
     edge_terms = torch.where(packed.real, edge_last(edge_features)[:, 0], 0.0) * packed.factors
     per_atom = node_last(node_features)[:, 0]
     return per_atom + torch.zeros_like(per_atom).index_add_(0, packed.centers, edge_terms)

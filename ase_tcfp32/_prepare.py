@@ -19,8 +19,16 @@ from ._swapping import recompute_gnn_layers
 from .layers import swap_linear_layers
 
 
-def prepare_model(pet: torch.nn.Module, precision: str, device: torch.device, *, emulate: str | None = None,
-                  check_accuracy: int = 0, low_memory: bool = False, compile: bool = False) -> bool:  # fmt: skip
+def prepare_model(
+    pet: torch.nn.Module,
+    precision: str,
+    device: torch.device,
+    *,
+    emulate: str | None = None,
+    check_accuracy: int = 0,
+    low_memory: bool = False,
+    compile: bool = False,
+) -> bool:
     """Make metatrain ``pet`` compute its Linear layers in ``precision`` on ``device`` (or
     through the tensor-core model of GPU ``emulate``), in place, and return whether its
     attention, SwiGLU, message combination and edge compression run on our kernels.

@@ -16,7 +16,7 @@ import os
 import sys
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 DELAY = 2.0
 """Seconds before the status line appears (shorter first calls show nothing)."""

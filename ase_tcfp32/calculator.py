@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -43,9 +43,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         if not torch.cuda.is_available():
             raise RuntimeError(f"device '{device}' requested, but CUDA is not available")
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise RuntimeError(
-                f"device '{device}' requested, but only {torch.cuda.device_count()} GPU(s) exist"
-            )
+            raise RuntimeError(f"device '{device}' requested, but only {torch.cuda.device_count()} GPU(s) exist")
     elif device.type != "cpu":
         raise ValueError(f"unsupported device '{device}': use 'cpu', 'cuda' or 'cuda:N'")
     return device
@@ -148,16 +146,30 @@ class TCPETCalculator(Calculator):
         dtype = next(self.pet.parameters()).dtype
         if self.precision != "fp32" and dtype != torch.float32:
             raise ValueError(f"precision {self.precision!r} needs a float32 model, this one is {dtype}")
-        ours = prepare_model(self.pet, self.precision, self.device, emulate=emulate,
-                             check_accuracy=self.check_accuracy, low_memory=low_memory, compile=compile)  # fmt: skip
+        ours = prepare_model(
+            self.pet,
+            self.precision,
+            self.device,
+            emulate=emulate,
+            check_accuracy=self.check_accuracy,
+            low_memory=low_memory,
+            compile=compile,
+        )
         self.attention = "tensor cores, TF32x3 (ase_tcfp32._attention)" if ours else "torch SDPA"
         self.low_memory, self.compiled = low_memory, compile
         self.atomic_types = frozenset(int(t) for t in self.pet.atomic_types)
         self.cutoff = float(self.pet.cutoff)
         self.engine = engine
         self._engine, self.engine_used, self.engine_reason = make_engine(
-            self.pet, self.device, engine, neighbor_skin=neighbor_skin, low_memory=low_memory, compile=compile,
-            check_every=self.check_accuracy, packed=ours)  # fmt: skip
+            self.pet,
+            self.device,
+            engine,
+            neighbor_skin=neighbor_skin,
+            low_memory=low_memory,
+            compile=compile,
+            check_every=self.check_accuracy,
+            packed=ours,
+        )
         if isinstance(model, torch.nn.Module):
             self.model_name = self.pet.metadata.name or type(model).__name__
         else:
@@ -174,10 +186,17 @@ class TCPETCalculator(Calculator):
         )
 
     def _repr_html_(self) -> str:
-        rows = {"model": self.model_name, "precision": self.precision, "backend": self.backend,
-                "device": str(self.device), "attention": self.attention, "engine": f"{self.engine_used} ({self.engine_reason})",
-                "edge rows": "packed" if getattr(self._engine, "packed", False) else "neighbor table",
-                "elements": len(self.atomic_types), "cutoff": f"{self.cutoff} Å"}  # fmt: skip
+        rows = {
+            "model": self.model_name,
+            "precision": self.precision,
+            "backend": self.backend,
+            "device": str(self.device),
+            "attention": self.attention,
+            "engine": f"{self.engine_used} ({self.engine_reason})",
+            "edge rows": "packed" if getattr(self._engine, "packed", False) else "neighbor table",
+            "elements": len(self.atomic_types),
+            "cutoff": f"{self.cutoff} Å",
+        }
         cells = "".join(f"<tr><th style='text-align:left'>{k}</th><td>{v}</td></tr>" for k, v in rows.items())
         return f"<b>TCPETCalculator</b><table>{cells}</table>"
 
@@ -253,7 +272,9 @@ class TCPETCalculator(Calculator):
         self._evaluations += 1
         first = self._evaluations == 1 and self.progress
         otherwise = "compiling GPU kernels on first use" if self.device.type == "cuda" else "evaluating"
-        shown_first = shown(f"ase-tcfp32: first evaluation ({atoms} atoms)", otherwise) if first else contextlib.nullcontext()
+        shown_first = (
+            shown(f"ase-tcfp32: first evaluation ({atoms} atoms)", otherwise) if first else contextlib.nullcontext()
+        )
         on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         try:
             with shown_first, on_device, ieee_fp32_matmul(), watchdog.deferred():

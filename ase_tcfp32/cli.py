@@ -47,14 +47,16 @@ def _validate(args) -> None:
         report.run_all(model, precisions, args.device, args.out, args.quick, options, args.engine)
         print(f"report: {args.out}/report.md")
     else:
-        report.run(args.test, model, precisions, args.device, args.out, args.quick, args.engine, **options.get(args.test, {}))
+        report.run(
+            args.test, model, precisions, args.device, args.out, args.quick, args.engine, **options.get(args.test, {})
+        )
 
 
 def _warmup(args) -> None:
     import time
 
-    from .calculator import TCPETCalculator
     from ._kernels import autotune
+    from .calculator import TCPETCalculator
     from .validation import water_box
     from .validation.common import resolve_model
 
@@ -65,7 +67,9 @@ def _warmup(args) -> None:
     atoms = water_box(max(1, args.atoms // 3), seed=0)
     seconds = calc.warm_up(atoms)
     print(calc)
-    print(f"{len(atoms)}-atom water box: first evaluation {seconds:.1f} s ({time.perf_counter() - start:.1f} s with loading)")
+    print(
+        f"{len(atoms)}-atom water box: first evaluation {seconds:.1f} s ({time.perf_counter() - start:.1f} s with loading)"
+    )
     print(f"GEMM tuning: {len(autotune.known())} shapes in {autotune.cache_file()}")
 
 
@@ -78,13 +82,26 @@ def _ipi_driver(args) -> None:
     if not args.wait >= 0:
         raise SystemExit(f"--wait is a number of seconds, 0 or more, not {args.wait}")
     try:
-        driver = ipi.TCPETDriver(template=args.template, model=args.model, precision=args.precision,
-                                 device=args.device, engine=args.engine, neighbor_skin=args.neighbor_skin,
-                                 verbose=args.verbose)  # fmt: skip
+        driver = ipi.TCPETDriver(
+            template=args.template,
+            model=args.model,
+            precision=args.precision,
+            device=args.device,
+            engine=args.engine,
+            neighbor_skin=args.neighbor_skin,
+            verbose=args.verbose,
+        )
     except ValueError as error:  # a bad option or template, said before anything is served
         raise SystemExit(f"ase-tcfp32 ipi-driver: {error}") from None
-    ipi.serve(driver, args.address, unix=args.unix, port=args.port, sockets_prefix=args.sockets_prefix,
-              wait=args.wait, verbose=args.verbose)  # fmt: skip
+    ipi.serve(
+        driver,
+        args.address,
+        unix=args.unix,
+        port=args.port,
+        sockets_prefix=args.sockets_prefix,
+        wait=args.wait,
+        verbose=args.verbose,
+    )
 
 
 def _bytecode_cache() -> str:
@@ -96,12 +113,16 @@ def _bytecode_cache() -> str:
     import torch
 
     if sys.dont_write_bytecode:
-        return ("off (PYTHONDONTWRITEBYTECODE or python -B): every process compiles torch's sources again, "
-                "5.7 s of a 192-atom start on the H200; unset it to pay this once")  # fmt: skip
+        return (
+            "off (PYTHONDONTWRITEBYTECODE or python -B): every process compiles torch's sources again, "
+            "5.7 s of a 192-atom start on the H200; unset it to pay this once"
+        )
     cached = importlib.util.cache_from_source(torch.__file__)
     if not os.path.exists(cached) and not os.access(os.path.dirname(torch.__file__), os.W_OK):
-        return (f"torch has no .pyc files and its folder is read-only: every process compiles its sources again; "
-                f"'python -m compileall {os.path.dirname(torch.__file__)}' once, as its owner")  # fmt: skip
+        return (
+            f"torch has no .pyc files and its folder is read-only: every process compiles its sources again; "
+            f"'python -m compileall {os.path.dirname(torch.__file__)}' once, as its owner"
+        )
     return "on"
 
 
@@ -149,8 +170,11 @@ def _info(args) -> None:
         engine, why = choose_engine_for(device)
         print(f"  engine='auto' -> {engine}: {why}")
         accurate = [r.precision for r in rows if r.available and on_tensor_cores(r.precision, device)]
-        print(f"  attention: tensor cores (TF32x3) in {', '.join(accurate)}; torch SDPA otherwise" if accurate else
-              "  attention: torch SDPA")  # fmt: skip
+        print(
+            f"  attention: tensor cores (TF32x3) in {', '.join(accurate)}; torch SDPA otherwise"
+            if accurate
+            else "  attention: torch SDPA"
+        )
     from ._kernels import autotune
 
     state = "on" if autotune.enabled() else "off (ASE_TCFP32_AUTOTUNE=0)"
@@ -167,9 +191,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="ase-tcfp32", description="PET in ASE with FP32-accurate tensor-core GEMMs")
     commands = parser.add_subparsers(dest="command", required=True)
     validate = commands.add_parser("validate", help="fidelity tests of the precision modes")
-    validate.add_argument("test", choices=["single-point", "smoothness", "nve", "relax", "speed", "all", "report"],
-                          help="a test, all of them, or 'report': report.md from the results already in --out")
-    validate.add_argument("--model", help=f"uPET name, checkpoint path, or random:<tiny|xs|s|m> (default: {DEMO_MODEL})")
+    validate.add_argument(
+        "test",
+        choices=["single-point", "smoothness", "nve", "relax", "speed", "all", "report"],
+        help="a test, all of them, or 'report': report.md from the results already in --out",
+    )
+    validate.add_argument(
+        "--model", help=f"uPET name, checkpoint path, or random:<tiny|xs|s|m> (default: {DEMO_MODEL})"
+    )
     validate.add_argument("--precisions", default=None, help="comma-separated (default: every mode the device runs)")
     validate.add_argument("--device", default=None)
     validate.add_argument("--engine", default="auto", choices=ENGINES, help="the calculator's engine (docs/usage.md)")
@@ -178,10 +207,13 @@ def main(argv: list[str] | None = None) -> None:
     validate.add_argument("--nve-ps", type=float, default=None, help="NVE length in ps (default 30)")
     validate.add_argument("--relax-steps", type=int, default=None, help="FIRE step limit (default 500)")
     validate.add_argument("--relax-repeats", type=int, default=None, help="FIRE repeats (default 3)")
-    validate.add_argument("--jobs", type=int, default=1,
-                          help="NVE and FIRE runs at once, in separate processes (small systems on a GPU)")
+    validate.add_argument(
+        "--jobs", type=int, default=1, help="NVE and FIRE runs at once, in separate processes (small systems on a GPU)"
+    )
     validate.set_defaults(func=_validate)
-    warmup = commands.add_parser("warmup", help="fill this machine's caches (kernels, GEMM tuning) before a batch of jobs")
+    warmup = commands.add_parser(
+        "warmup", help="fill this machine's caches (kernels, GEMM tuning) before a batch of jobs"
+    )
     warmup.add_argument("--model", required=True, help="uPET name, checkpoint path, or random:<tiny|xs|s|m>")
     warmup.add_argument("--atoms", type=int, required=True, help="system size (a water box of about this many atoms)")
     warmup.add_argument("--precision", default="auto", choices=("auto",) + PRECISIONS)
@@ -191,15 +223,23 @@ def main(argv: list[str] | None = None) -> None:
     driver.add_argument("--address", required=True, help="unix socket name or host name of the i-PI server")
     driver.add_argument("--unix", action="store_true", help="a unix socket (/tmp/ipi_ADDRESS) instead of TCP")
     driver.add_argument("--port", type=int, default=12345, help="TCP port (without --unix)")
-    driver.add_argument("--sockets-prefix", default="/tmp/ipi_", help="where i-PI puts unix sockets (its sockets_prefix)")
-    driver.add_argument("--template", required=True, help="a file ASE reads with the simulation's atoms, in i-PI's order")
+    driver.add_argument(
+        "--sockets-prefix", default="/tmp/ipi_", help="where i-PI puts unix sockets (its sockets_prefix)"
+    )
+    driver.add_argument(
+        "--template", required=True, help="a file ASE reads with the simulation's atoms, in i-PI's order"
+    )
     driver.add_argument("--model", required=True, help="uPET name or checkpoint path")
     driver.add_argument("--precision", default="auto", choices=("auto",) + PRECISIONS)
     driver.add_argument("--engine", default="auto", choices=ENGINES)
     driver.add_argument("--device", default=None, help="cuda:0, or cuda:0;cuda:1 to split each batch across GPUs")
     driver.add_argument("--neighbor-skin", type=float, default=None, help="Verlet skin in Å (default: the engine's)")
-    driver.add_argument("--wait", type=float, default=60.0,
-                        help="seconds to wait for the server's socket after the model is loaded (default 60)")
+    driver.add_argument(
+        "--wait",
+        type=float,
+        default=60.0,
+        help="seconds to wait for the server's socket after the model is loaded (default 60)",
+    )
     driver.add_argument("--verbose", action="store_true")
     driver.set_defaults(func=_ipi_driver)
     info = commands.add_parser("info", help="versions, GPUs, precisions and what auto picks")

@@ -41,8 +41,10 @@ import numpy as np
 from ipi.pes.dummy import Dummy_driver
 from ipi.utils.units import unit_to_internal
 
-LENGTH, ENERGY, FORCE = (unit_to_internal(kind, unit, 1.0) for kind, unit in
-                         (("length", "angstrom"), ("energy", "electronvolt"), ("force", "ev/ang")))  # fmt: skip
+LENGTH, ENERGY, FORCE = (
+    unit_to_internal(kind, unit, 1.0)
+    for kind, unit in (("length", "angstrom"), ("energy", "electronvolt"), ("force", "ev/ang"))
+)
 """i-PI's atomic units per Å, eV and eV/Å (its own constants)."""
 
 
@@ -77,18 +79,39 @@ PIMD_INPUT = """<simulation verbosity='low' sockets_prefix='{sockets}' safe_stri
 """
 
 
-def pimd_input(structure: str, *, beads: int, steps: int, batch_size: int = 1, address: str = "pet",
-               sockets: str = "/tmp/ipi_", prefix: str = "simulation", temperature: float = 300.0,
-               timestep_fs: float = 0.5, trajectory_stride: int = 1, consolidate: bool = True) -> str:  # fmt: skip
+def pimd_input(
+    structure: str,
+    *,
+    beads: int,
+    steps: int,
+    batch_size: int = 1,
+    address: str = "pet",
+    sockets: str = "/tmp/ipi_",
+    prefix: str = "simulation",
+    temperature: float = 300.0,
+    timestep_fs: float = 0.5,
+    trajectory_stride: int = 1,
+    consolidate: bool = True,
+) -> str:
     """An i-PI input (XML) for path-integral NVT of ``structure`` (a file ASE reads) with
     ``beads`` beads, served over the unix socket ``sockets + address`` in batches of
     ``batch_size`` structures; writes ``prefix.out`` (step, time, each bead's potential in eV)
     and every ``trajectory_stride`` steps each bead's positions and forces (extended XYZ).
     ``consolidate=False`` selects i-PI's classic message exchange (one structure per request),
     the one that survives a driver dying mid-request in i-PI 3.3.1 (docs/scaling.md)."""
-    return PIMD_INPUT.format(structure=structure, beads=beads, steps=steps, batch_size=batch_size, address=address,
-                             sockets=sockets, prefix=prefix, temperature=temperature, timestep_fs=timestep_fs,
-                             trajectory_stride=trajectory_stride, consolidate=consolidate)  # fmt: skip
+    return PIMD_INPUT.format(
+        structure=structure,
+        beads=beads,
+        steps=steps,
+        batch_size=batch_size,
+        address=address,
+        sockets=sockets,
+        prefix=prefix,
+        temperature=temperature,
+        timestep_fs=timestep_fs,
+        trajectory_stride=trajectory_stride,
+        consolidate=consolidate,
+    )
 
 
 def driver_script() -> str:
@@ -107,8 +130,16 @@ class _ClientSocket(socket.socket):
         return data
 
 
-def serve(driver: TCPETDriver, address: str, *, unix: bool = False, port: int = 12345,
-          sockets_prefix: str = "/tmp/ipi_", wait: float = 60.0, verbose: bool = False) -> None:
+def serve(
+    driver: TCPETDriver,
+    address: str,
+    *,
+    unix: bool = False,
+    port: int = 12345,
+    sockets_prefix: str = "/tmp/ipi_",
+    wait: float = 60.0,
+    verbose: bool = False,
+) -> None:
     """Answer the i-PI server at ``address`` (a unix socket ``sockets_prefix + address``, or
     a host name and TCP ``port``) with ``driver`` until the server says exit, through i-PI's
     own client loop (``run_driver`` of its ``i-pi-py_driver`` script). A server not
@@ -128,25 +159,39 @@ def serve(driver: TCPETDriver, address: str, *, unix: bool = False, port: int = 
     deadline = time.monotonic() + wait
     while True:
         try:
-            return run_driver(unix=unix, address=address, port=port, driver=driver, f_verbose=verbose,
-                              sockets_prefix=sockets_prefix)  # fmt: skip
+            return run_driver(
+                unix=unix, address=address, port=port, driver=driver, f_verbose=verbose, sockets_prefix=sockets_prefix
+            )
         except (FileNotFoundError, ConnectionRefusedError) as error:  # its connect's, before any request
             if driver.requests:
                 raise
             if time.monotonic() >= deadline:
-                raise SystemExit(f"tcpet driver: no i-PI server listening at {where} after {wait:g} s ({error}); "
-                                 "start i-pi with this address, or give the driver a longer --wait") from None  # fmt: skip
+                raise SystemExit(
+                    f"tcpet driver: no i-PI server listening at {where} after {wait:g} s ({error}); "
+                    "start i-pi with this address, or give the driver a longer --wait"
+                ) from None
             time.sleep(0.1)
         except ConnectionError as error:
-            raise SystemExit(f"tcpet driver: the i-PI server at {where} closed the connection without saying exit "
-                             f"({error}): it stopped or failed (its output says why)") from None  # fmt: skip
+            raise SystemExit(
+                f"tcpet driver: the i-PI server at {where} closed the connection without saying exit "
+                f"({error}): it stopped or failed (its output says why)"
+            ) from None
 
 
 class TCPETDriver(Dummy_driver):
     """i-PI's driver interface around :class:`ase_tcfp32.TCPETCalculator` (see module doc)."""
 
-    def __init__(self, template: str, model: str = "pet-mad-s", precision: str = "auto", device: str | None = None,
-                 engine: str = "auto", neighbor_skin: str | float | None = None, *args, **kwargs):  # fmt: skip
+    def __init__(
+        self,
+        template: str,
+        model: str = "pet-mad-s",
+        precision: str = "auto",
+        device: str | None = None,
+        engine: str = "auto",
+        neighbor_skin: str | float | None = None,
+        *args,
+        **kwargs,
+    ):
         self.template_file, self.model, self.precision = str(template), str(model), str(precision)
         self.device, self.engine, self.neighbor_skin = device, str(engine), neighbor_skin
         super().__init__(*args, **kwargs)  # calls check_parameters()
@@ -171,7 +216,9 @@ class TCPETDriver(Dummy_driver):
                 skin = float(skin)
             except ValueError:
                 raise ValueError(f"the tcpet driver's neighbor_skin is a distance in Å, not {skin!r}") from None
-        self._devices = [d.strip() for d in str(self.device).split(";")] if self.device not in (None, "", "None") else [None]
+        self._devices = (
+            [d.strip() for d in str(self.device).split(";")] if self.device not in (None, "", "None") else [None]
+        )
         self._skin = skin
         self.calculators = self._calculators(self.engine, skin, "calculators")
         self.calculators[0].check_atoms(self.template, ["energy", "forces"])
@@ -186,8 +233,10 @@ class TCPETDriver(Dummy_driver):
         ``what`` with ``verbose``)."""
         from ase_tcfp32.calculator import TCPETCalculator  # absolute: i-PI loads this file by its path
 
-        calculators = [TCPETCalculator(self.model, precision=self.precision, device=d, engine=engine,
-                                       neighbor_skin=skin) for d in self._devices]  # fmt: skip
+        calculators = [
+            TCPETCalculator(self.model, precision=self.precision, device=d, engine=engine, neighbor_skin=skin)
+            for d in self._devices
+        ]
         if self.verbose:
             print(f"tcpet driver: {what}:", *map(repr, calculators), sep="\n  ", flush=True)
         return calculators
@@ -238,7 +287,9 @@ class TCPETDriver(Dummy_driver):
             raise ValueError("a batch needs lists of cells and positions of the same length")
         self.requests += 1
         real = len(pos)
-        while real > 1 and np.array_equal(pos[real - 1], pos[real - 2]) and np.array_equal(cell[real - 1], cell[real - 2]):
+        while (
+            real > 1 and np.array_equal(pos[real - 1], pos[real - 2]) and np.array_equal(cell[real - 1], cell[real - 2])
+        ):
             real -= 1  # identical structures have identical results
         structures = [self._structure(k, c, p) for k, (c, p) in enumerate(zip(cell[:real], pos[:real]))]
         self.padded += real < len(pos)
@@ -256,9 +307,11 @@ class TCPETDriver(Dummy_driver):
     def _report(self) -> None:
         """At exit: how many requests came, and how many ended in repeated structures."""
         if self.requests:
-            print(f"tcpet driver: {self.requests} requests, {self.padded} of them ending in repeated structures (i-PI "
-                  "pads a batch it sends before enough requests are queued; a first step's beads are all alike)",
-                  flush=True)  # fmt: skip
+            print(
+                f"tcpet driver: {self.requests} requests, {self.padded} of them ending in repeated structures (i-PI "
+                "pads a batch it sends before enough requests are queued; a first step's beads are all alike)",
+                flush=True,
+            )
 
     def _short_calculators(self) -> list:
         """One calculator per device for batches with repeated trailing structures: the same

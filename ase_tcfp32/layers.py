@@ -98,8 +98,12 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_y):
     x, weight = ctx.saved_tensors
-    return _grads(ctx.needs_input_grad, grad_y, x,
-                  lambda g: _linear_grad_input_op(g, weight, ctx.precision, ctx.emulate, ctx.layer))  # fmt: skip
+    return _grads(
+        ctx.needs_input_grad,
+        grad_y,
+        x,
+        lambda g: _linear_grad_input_op(g, weight, ctx.precision, ctx.emulate, ctx.layer),
+    )
 
 
 _linear_op.register_autograd(_backward, setup_context=_setup_context)
@@ -210,8 +214,14 @@ class TCLinear(nn.Linear):
         self._cache_key = None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, precision: str, emulate: str | None = None,
-                    check_accuracy: int | None = None, name: str = "") -> "TCLinear":  # fmt: skip
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        precision: str,
+        emulate: str | None = None,
+        check_accuracy: int | None = None,
+        name: str = "",
+    ) -> TCLinear:
         """A TCLinear sharing ``linear``'s parameters (no copy); ``name`` appears in the
         watchdog's warnings."""
         layer = cls.__new__(cls)
@@ -250,8 +260,9 @@ class TCLinear(nn.Linear):
         return f"{super().extra_repr()}, precision={self._precision}{emulate}"
 
 
-def swap_linear_layers(module: nn.Module, precision: str, *, emulate: str | None = None,
-                       check_accuracy: int | None = None) -> list[str]:  # fmt: skip
+def swap_linear_layers(
+    module: nn.Module, precision: str, *, emulate: str | None = None, check_accuracy: int | None = None
+) -> list[str]:
     """Make every Linear layer of ``module`` compute in ``precision``; return their names.
 
     ``emulate`` runs the layers through the tensor-core model of that GPU (CPU only).

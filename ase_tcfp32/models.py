@@ -24,15 +24,27 @@ from urllib.parse import urlparse
 import torch
 
 UPET_MODELS = (
-    "pet-mad-xs", "pet-mad-s", "pet-mad-m",
-    "pet-omat-xs", "pet-omat-s", "pet-omat-m", "pet-omat-l", "pet-omat-xl",
-    "pet-oam-l", "pet-oam-xl",
-    "pet-omad-xs", "pet-omad-s", "pet-omad-l",
+    "pet-mad-xs",
+    "pet-mad-s",
+    "pet-mad-m",
+    "pet-omat-xs",
+    "pet-omat-s",
+    "pet-omat-m",
+    "pet-omat-l",
+    "pet-omat-xl",
+    "pet-oam-l",
+    "pet-oam-xl",
+    "pet-omad-xs",
+    "pet-omad-s",
+    "pet-omad-l",
     "pet-omatpes-l",
-    "pet-omol-s", "pet-omol-m", "pet-omol-l",
+    "pet-omol-s",
+    "pet-omol-m",
+    "pet-omol-l",
     "pet-mols-s",
-    "pet-spice-s", "pet-spice-l",
-)  # fmt: skip
+    "pet-spice-s",
+    "pet-spice-l",
+)
 """Names upet 0.3 resolves (``upet._version.UPET_AVAILABLE_MODELS``), known offline."""
 
 BUNDLED = {"pet-demo-chgnet": "pet-demo-chgnet.ckpt"}
@@ -200,8 +212,7 @@ def _download(name: str, version: str) -> Path:
         if cached:
             v, path = cached[-1]
             warnings.warn(
-                f"could not reach the model hub ({type(error).__name__}); "
-                f"using the cached {name} v{v} at {path}",
+                f"could not reach the model hub ({type(error).__name__}); using the cached {name} v{v} at {path}",
                 stacklevel=4,
             )
             return Path(path)
@@ -226,9 +237,7 @@ def resolve_checkpoint(model: str | os.PathLike, version: str = "latest") -> Pat
         return _download(text, version)
     if path.suffix or os.sep in text or path.exists():
         raise FileNotFoundError(f"model checkpoint not found: '{path}'")
-    raise ValueError(
-        f"unknown model {text!r}: pass a checkpoint path or one of {', '.join(known_models())}"
-    )
+    raise ValueError(f"unknown model {text!r}: pass a checkpoint path or one of {', '.join(known_models())}")
 
 
 def _read_checkpoint(path: Path) -> torch.nn.Module:
@@ -253,10 +262,7 @@ def _unwrap_pet(module: torch.nn.Module) -> torch.nn.Module:
     if isinstance(inner, PET):
         module = inner
     if not isinstance(module, PET):
-        raise TypeError(
-            f"expected a metatrain PET model (or an LLPR model wrapping one), got "
-            f"{type(module).__name__}"
-        )
+        raise TypeError(f"expected a metatrain PET model (or an LLPR model wrapping one), got {type(module).__name__}")
     return module
 
 

@@ -27,8 +27,8 @@ import shutil
 import sysconfig
 import tempfile
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -144,8 +144,11 @@ def _triton_cache_problem(cache) -> str | None:
     fallback = os.path.join(tempfile.gettempdir(), f"triton-cache-{os.getuid()}")
     if not _writable(fallback):
         return f"neither Triton's cache folder {folder} nor {fallback} can be written"
-    warnings.warn(f"Triton's cache folder {folder} cannot be written: compiled GPU kernels go to {fallback} "
-                  "(set TRITON_CACHE_DIR to a lasting folder to keep them across reboots)", stacklevel=2)  # fmt: skip
+    warnings.warn(
+        f"Triton's cache folder {folder} cannot be written: compiled GPU kernels go to {fallback} "
+        "(set TRITON_CACHE_DIR to a lasting folder to keep them across reboots)",
+        stacklevel=2,
+    )
     os.environ["TRITON_CACHE_DIR"] = cache.dir = fallback  # this process and the compiler's workers
     return None
 
@@ -160,36 +163,54 @@ def support(precision: str, device: torch.device | str) -> PrecisionSupport:
         return PrecisionSupport(precision, str(device), True, backend, "IEEE FP32 baseline")
     if cc is None:
         return PrecisionSupport(
-            precision, str(device), True, "reference",
+            precision,
+            str(device),
+            True,
+            "reference",
             "torch reference emulation: the GPU's numerics, slower than fp32",
         )
     if cc < (8, 0):
         return PrecisionSupport(
-            precision, str(device), False, "none",
+            precision,
+            str(device),
+            False,
+            "none",
             f"compute capability {cc[0]}.{cc[1]} has no TF32/BF16 tensor cores (needs 8.0+)",
         )
     built = precision != "bf16x9" or cc not in BLACKWELL_BF16X9  # by Triton: everything but cuBLAS's BF16x9
     if built and (problem := triton_build_problem()) is not None:
         return PrecisionSupport(
-            precision, str(device), False, "none",
+            precision,
+            str(device),
+            False,
+            "none",
             f"our GPU kernels need Triton to build its launchers, which it cannot here: {problem}",
         )
     if precision == "fp16x3":
         if cc != HOPPER:
             return PrecisionSupport(
-                precision, str(device), False, "none",
+                precision,
+                str(device),
+                False,
+                "none",
                 f"fp16x3 has a kernel for Hopper (compute capability 9.0) only, not {cc[0]}.{cc[1]}; "
                 "tf32x3 is the FP32-accurate mode here",
             )
         if not _has_gluon():
             return PrecisionSupport(
-                precision, str(device), False, "none",
+                precision,
+                str(device),
+                False,
+                "none",
                 "the fp16x3 kernel is written in Gluon, which this Triton lacks (needs Triton 3.6, as torch 2.11 pins)",
             )
         return PrecisionSupport(precision, str(device), True, "gluon", "ase_tcfp32 Gluon kernel (Hopper)")
     if precision == "bf16x9" and cc in BLACKWELL_BF16X9:
         return PrecisionSupport(
-            precision, str(device), True, "cuBLAS BF16x9",
+            precision,
+            str(device),
+            True,
+            "cuBLAS BF16x9",
             "cuBLAS FP32 emulation (CUBLAS_COMPUTE_32F_EMULATED_16BFX9)",
         )
     return PrecisionSupport(precision, str(device), True, "triton", "ase_tcfp32 Triton kernel")
@@ -237,8 +258,7 @@ def resolve_precision(precision: str, device: torch.device | str) -> str:
     info = support(precision, device)
     if not info.available:
         raise UnsupportedPrecisionError(
-            f"precision {precision!r} cannot run on {device}: {info.note}; "
-            "use precision='fp32' or 'auto'"
+            f"precision {precision!r} cannot run on {device}: {info.note}; use precision='fp32' or 'auto'"
         )
     if info.backend == "reference":
         warnings.warn(

@@ -51,25 +51,45 @@ def random_pet(shape: str = "tiny", *, seed: int = 0, atomic_types=tuple(range(1
     d_pet, gnn, attention, cutoff, neighbors = PET_MAD_SHAPES[shape]
     hypers = get_default_hypers("pet")["model"]
     hypers.update(
-        d_pet=d_pet, d_node=4 * d_pet, d_head=d_pet, d_feedforward=2 * d_pet,
-        num_heads=4 if shape == "tiny" else 8, num_gnn_layers=gnn,
-        num_attention_layers=attention, cutoff=cutoff, num_neighbors_adaptive=neighbors,
-        cutoff_function="Bump", cutoff_width=0.5, normalization="RMSNorm",
-        activation="SwiGLU", transformer_type="PreLN", featurizer_type="feedforward",
-    )  # fmt: skip
+        d_pet=d_pet,
+        d_node=4 * d_pet,
+        d_head=d_pet,
+        d_feedforward=2 * d_pet,
+        num_heads=4 if shape == "tiny" else 8,
+        num_gnn_layers=gnn,
+        num_attention_layers=attention,
+        cutoff=cutoff,
+        num_neighbors_adaptive=neighbors,
+        cutoff_function="Bump",
+        cutoff_width=0.5,
+        normalization="RMSNorm",
+        activation="SwiGLU",
+        transformer_type="PreLN",
+        featurizer_type="feedforward",
+    )
     targets = {
         "energy": get_energy_target_info("energy", {"quantity": "energy", "unit": "eV"}),
         "non_conservative_force": get_generic_target_info(
             "non_conservative_force",
-            {"quantity": "force", "unit": "eV/A", "type": {"cartesian": {"rank": 1}},
-             "num_subtargets": 1, "sample_kind": "atom"},
+            {
+                "quantity": "force",
+                "unit": "eV/A",
+                "type": {"cartesian": {"rank": 1}},
+                "num_subtargets": 1,
+                "sample_kind": "atom",
+            },
         ),
         "non_conservative_stress": get_generic_target_info(
             "non_conservative_stress",
-            {"quantity": "pressure", "unit": "eV/A^3", "type": {"cartesian": {"rank": 2}},
-             "num_subtargets": 1, "sample_kind": "system"},
+            {
+                "quantity": "pressure",
+                "unit": "eV/A^3",
+                "type": {"cartesian": {"rank": 2}},
+                "num_subtargets": 1,
+                "sample_kind": "system",
+            },
         ),
-    }  # fmt: skip
+    }
     torch.manual_seed(seed)
     info = DatasetInfo(length_unit="Angstrom", atomic_types=list(atomic_types), targets=targets)
     with warnings.catch_warnings():

@@ -26,7 +26,7 @@ import contextlib
 import os
 import threading
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -129,7 +129,9 @@ def errors(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: 
     return torch.stack([worst(y), worst(fp32)])
 
 
-def watch(layer, direction: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> None:
+def watch(
+    layer, direction: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor
+) -> None:
     """Check ``y = x @ weight.T + bias`` of ``layer`` (a TCLinear) if this call is due."""
     every = layer.check_accuracy
     if not every or layer.precision == "tf32":

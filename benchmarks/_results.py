@@ -41,8 +41,9 @@ def environment(device: str | None = None) -> dict:
     if device != "cpu" and torch.cuda.is_available():
         index = torch.device(device or "cuda").index or 0
         major, minor = torch.cuda.get_device_capability(index)
-        env.update(gpu=torch.cuda.get_device_name(index), compute_capability=f"{major}.{minor}",
-                   cuda=torch.version.cuda)  # fmt: skip
+        env.update(
+            gpu=torch.cuda.get_device_name(index), compute_capability=f"{major}.{minor}", cuda=torch.version.cuda
+        )
     else:
         env.update(cpu=platform.processor() or platform.machine(), cpu_threads=torch.get_num_threads())
     return env
@@ -71,8 +72,14 @@ def command() -> str:
     return shlex.join(["python", str(script), *sys.argv[1:]])
 
 
-def write(benchmark: str, rows: list[dict], key: tuple[str, ...], env: dict | None = None,
-          out: str | os.PathLike | None = None, note: str | None = None) -> Path:  # fmt: skip
+def write(
+    benchmark: str,
+    rows: list[dict],
+    key: tuple[str, ...],
+    env: dict | None = None,
+    out: str | os.PathLike | None = None,
+    note: str | None = None,
+) -> Path:
     """Merge ``rows`` into ``benchmark``'s results file (``out`` if given) as one new run.
 
     ``key`` names the fields that identify a row (e.g. model, atoms, precision): an older
@@ -92,9 +99,13 @@ def write(benchmark: str, rows: list[dict], key: tuple[str, ...], env: dict | No
     runs = old["runs"] + ([] if same else [run])
     used = sorted({row["run"] for row in merged})
     renumber = {old_index: new_index for new_index, old_index in enumerate(used)}
-    result = {"benchmark": benchmark, "device": env.get("gpu") or "cpu", "key": list(key),
-              "runs": [runs[i] for i in used],
-              "rows": [{**row, "run": renumber[row["run"]]} for row in merged]}  # fmt: skip
+    result = {
+        "benchmark": benchmark,
+        "device": env.get("gpu") or "cpu",
+        "key": list(key),
+        "runs": [runs[i] for i in used],
+        "rows": [{**row, "run": renumber[row["run"]]} for row in merged],
+    }
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(result, indent=1) + "\n")
     return target

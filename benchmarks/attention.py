@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 
+import _results
 import torch
 import torch.nn.functional as F
 import triton
@@ -36,8 +37,6 @@ from ase_tcfp32._kernels import attention as kernels
 from ase_tcfp32._lean import MARGIN, LeanPET
 from ase_tcfp32.testing import random_pet
 from ase_tcfp32.validation import water_box
-
-import _results
 
 HEADS = 8
 D_PET = {"s": 256, "m": 384}
@@ -99,7 +98,11 @@ def errors(function, qkv, mask, scale, grad) -> dict:
     per_head = lambda t: t.reshape(*t.shape[:2], HEADS, -1).transpose(1, 2).flatten(2)  # noqa: E731
     head_errors = (per_head(out.double()) - per_head(exact)).norm(dim=-1) / per_head(exact).norm(dim=-1)
     rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
-    return {"error": head_errors.max().item(), "error_grad_qkv": rel(q.grad, q64.grad), "error_grad_mask": rel(m.grad, m64.grad)}
+    return {
+        "error": head_errors.max().item(),
+        "error_grad_qkv": rel(q.grad, q64.grad),
+        "error_grad_mask": rel(m.grad, m64.grad),
+    }
 
 
 def measure(size: str, atoms: int, name: str, function, config: dict | None) -> list[dict]:
@@ -113,8 +116,14 @@ def measure(size: str, atoms: int, name: str, function, config: dict | None) -> 
         function(qkv_g, mask_g, scale).backward(grad)
 
     both_ms = do_bench(both, warmup=25, rep=200)
-    row = {"model": size, "atoms": atoms, "tokens": qkv.shape[1], "kernel": name, "config": config,
-           **errors(function, qkv, mask, scale, grad)}  # fmt: skip
+    row = {
+        "model": size,
+        "atoms": atoms,
+        "tokens": qkv.shape[1],
+        "kernel": name,
+        "config": config,
+        **errors(function, qkv, mask, scale, grad),
+    }
     return [dict(row, **{"pass": "fwd", "ms": forward_ms}), dict(row, **{"pass": "fwd+bwd", "ms": both_ms})]
 
 
@@ -142,7 +151,9 @@ def measure_packed(size: str, atoms: int) -> list[dict]:
     blocks = kernels.packed_blocks(sequences, HEADS, width // HEADS)
     fit_ms = do_bench(lambda: kernels.packed_blocks(sequences, HEADS, width // HEADS), warmup=25, rep=200)
     grads = torch.randn(total, width, device="cuda"), torch.randn(atoms, width, device="cuda")
-    forward_ms = do_bench(lambda: tc_attention_packed(edge_qkv, node_qkv, bias, sequences, HEADS, scale), warmup=25, rep=200)
+    forward_ms = do_bench(
+        lambda: tc_attention_packed(edge_qkv, node_qkv, bias, sequences, HEADS, scale), warmup=25, rep=200
+    )
     leaves = [t.clone().requires_grad_() for t in (edge_qkv, node_qkv, bias)]
 
     def both():
@@ -163,8 +174,14 @@ def measure_packed(size: str, atoms: int) -> list[dict]:
         return torch.cat([node[:, None], torch.where(real[..., None], edge[at], 0)], 1)
 
     found = {}
-    for name, function, dtype in (("ours", tc_attention_packed, torch.float32), ("exact", packed_attention_in_torch, torch.float64)):
-        part = [t[:rows if len(t) == total else n].detach().to(dtype).clone().requires_grad_() for t in (edge_qkv, node_qkv, bias)]
+    for name, function, dtype in (
+        ("ours", tc_attention_packed, torch.float32),
+        ("exact", packed_attention_in_torch, torch.float64),
+    ):
+        part = [
+            t[: rows if len(t) == total else n].detach().to(dtype).clone().requires_grad_()
+            for t in (edge_qkv, node_qkv, bias)
+        ]
         out = function(*part, checked, HEADS, scale)
         torch.autograd.backward(out, [g[: len(o)].to(dtype) for g, o in zip(grads, out)])
         found[name] = by_sequence(*out), torch.cat([part[1].grad, part[0].grad]), part[2].grad
@@ -173,10 +190,20 @@ def measure_packed(size: str, atoms: int) -> list[dict]:
     head_errors = (per_head(out.double()) - per_head(exact)).norm(dim=-1) / per_head(exact).norm(dim=-1)
     rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
     used = int((blocks.table[:, 1] > 0).sum())
-    row = {"model": size, "atoms": atoms, "tokens": tokens, "kernel": "tc_attention_packed", "config": "packed",
-           "neighbors": {"min": int(counts.min()), "mean": counts.double().mean().item(), "max": int(counts.max())},
-           "blocks": used, "atoms_per_block": atoms / used, "fit_ms": fit_ms,
-           "error": head_errors.max().item(), "error_grad_qkv": rel(grad_qkv, exact_qkv), "error_grad_mask": rel(grad_bias, exact_bias)}  # fmt: skip
+    row = {
+        "model": size,
+        "atoms": atoms,
+        "tokens": tokens,
+        "kernel": "tc_attention_packed",
+        "config": "packed",
+        "neighbors": {"min": int(counts.min()), "mean": counts.double().mean().item(), "max": int(counts.max())},
+        "blocks": used,
+        "atoms_per_block": atoms / used,
+        "fit_ms": fit_ms,
+        "error": head_errors.max().item(),
+        "error_grad_qkv": rel(grad_qkv, exact_qkv),
+        "error_grad_mask": rel(grad_bias, exact_bias),
+    }
     return [dict(row, **{"pass": "fwd", "ms": forward_ms}), dict(row, **{"pass": "fwd+bwd", "ms": both_ms})]
 
 
@@ -205,7 +232,11 @@ def main() -> None:
                     config = dict(BLOCK=block, num_warps=warps, STAGES=stages)
                     name, function = "tc_attention", ours(config)
                 try:
-                    found = measure_packed(size, atoms) if spec == "packed" else measure(size, atoms, name, function, config)
+                    found = (
+                        measure_packed(size, atoms)
+                        if spec == "packed"
+                        else measure(size, atoms, name, function, config)
+                    )
                 except triton.runtime.errors.OutOfResources as error:
                     print(f"{size} {atoms:6d} {config}: {error}", flush=True)
                     continue
@@ -214,9 +245,12 @@ def main() -> None:
                         r["config"], r["launch"] = "default", r["config"]
                     base.setdefault(r["pass"], r["ms"])  # SDPA's, measured first
                     r["speedup_vs_sdpa"] = base[r["pass"]] / r["ms"]
-                    print(f"{size} {atoms:6d} T={r['tokens']} {name:13s} {str(config):48s} {r['pass']:8s} "
-                          f"{r['ms']:8.3f} ms  x{r['speedup_vs_sdpa']:.2f}  err {r['error']:.2e} "
-                          f"grad {r['error_grad_qkv']:.2e}/{r['error_grad_mask']:.2e}", flush=True)  # fmt: skip
+                    print(
+                        f"{size} {atoms:6d} T={r['tokens']} {name:13s} {str(config):48s} {r['pass']:8s} "
+                        f"{r['ms']:8.3f} ms  x{r['speedup_vs_sdpa']:.2f}  err {r['error']:.2e} "
+                        f"grad {r['error_grad_qkv']:.2e}/{r['error_grad_mask']:.2e}",
+                        flush=True,
+                    )
                 rows += found
                 _results.write("attention", rows, ("model", "atoms", "kernel", "config", "pass"), out=args.out)
             torch.cuda.empty_cache()

@@ -21,6 +21,7 @@ import json
 import time
 import warnings
 
+import _results
 import numpy as np
 import torch
 
@@ -28,8 +29,6 @@ from ase_tcfp32 import TCPETCalculator
 from ase_tcfp32._neighbors import Structures, build_pairs
 from ase_tcfp32.testing import random_checkpoint
 from ase_tcfp32.validation import water_box
-
-import _results
 
 CONFIGS = {
     "default": {},
@@ -71,14 +70,23 @@ def measure(model, copies: list, kwargs: dict, calls: int, parts: bool) -> dict:
     calc.evaluate(moved(copies))
     batch_ms = _timed(lambda: calc.evaluate(moved(copies)), calls)
     lean = calc._engine
-    row = {"first_s": first, "batch_ms": batch_ms, "engine": calc.engine_used, "graphs": lean.cuda_graphs,
-           "skin": lean.skin, "table_width": lean.width, "pairs": lean.pairs.count}  # fmt: skip
+    row = {
+        "first_s": first,
+        "batch_ms": batch_ms,
+        "engine": calc.engine_used,
+        "graphs": lean.cuda_graphs,
+        "skin": lean.skin,
+        "table_width": lean.width,
+        "pairs": lean.pairs.count,
+    }
     row["rebuild_ms"] = _timed(lambda: lean._update_pairs(Structures.of(copies)), 3)
     if parts:
         batch = Structures.of(copies)
         positions = torch.from_numpy(batch.positions).cuda()
         cutoff = lean.backend.cutoff + lean.skin
-        row["build_pairs_ms"] = _timed(lambda: build_pairs(positions, batch.cells, batch.pbcs, batch.sizes, cutoff, 0), 3)
+        row["build_pairs_ms"] = _timed(
+            lambda: build_pairs(positions, batch.cells, batch.pbcs, batch.sizes, cutoff, 0), 3
+        )
     single = [copies[0].copy()]
     calc.evaluate(single)
     calc.evaluate(moved(single))
@@ -113,16 +121,23 @@ def main() -> None:
         copies.append(atoms)
     rows = []
     for name in names:
-        row = {"config": name, "model": f"random-{args.model}", "copies": args.copies, "atoms": len(box),
-               **measure(model, copies, CONFIGS[name], args.calls, args.parts)}  # fmt: skip
+        row = {
+            "config": name,
+            "model": f"random-{args.model}",
+            "copies": args.copies,
+            "atoms": len(box),
+            **measure(model, copies, CONFIGS[name], args.calls, args.parts),
+        }
         rows.append(row)
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     fp32 = next((r["batch_ms"] for r in rows if r["config"] == "fp32"), None)
     print(f"\n{'config':>10} {'batch ms':>9} {'single ms':>10} {'x single':>9} {'vs fp32':>8} {'rebuild ms':>11}")
     for r in rows:
         versus = f"{fp32 / r['batch_ms']:.2f}" if fp32 else "-"
-        print(f"{r['config']:>10} {r['batch_ms']:9.1f} {r['single_ms']:10.2f} {r['throughput_vs_single']:9.2f} "
-              f"{versus:>8} {r['rebuild_ms']:11.1f}")  # fmt: skip
+        print(
+            f"{r['config']:>10} {r['batch_ms']:9.1f} {r['single_ms']:10.2f} {r['throughput_vs_single']:9.2f} "
+            f"{versus:>8} {r['rebuild_ms']:11.1f}"
+        )
     _results.write("batch", rows, ("config", "model", "copies", "atoms"), out=args.out)
 
 

@@ -55,6 +55,7 @@ def child(shape: str, molecules: int, kwargs: dict, steps: int) -> dict:
     start = time.perf_counter()
     import numpy as np
     import torch
+    from _timing import md_step_times
     from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
     from ase.md.verlet import VelocityVerlet
     from ase.units import fs
@@ -62,7 +63,6 @@ def child(shape: str, molecules: int, kwargs: dict, steps: int) -> dict:
     from ase_tcfp32 import TCPETCalculator
     from ase_tcfp32.testing import random_checkpoint
     from ase_tcfp32.validation import water_box
-    from _timing import md_step_times
 
     imports = time.perf_counter() - start
     model = random_checkpoint(shape)
@@ -79,9 +79,16 @@ def child(shape: str, molecules: int, kwargs: dict, steps: int) -> dict:
     first = time.perf_counter() - start
     dyn.run(3)
     times = md_step_times(dyn, steps)
-    row = {"precision": calc.precision, "engine": calc.engine, "compiled": calc.compiled, "repr": repr(calc),
-           "ms": 1000 * float(np.median(times)), "first_s": first, "imports_s": imports,
-           "peak_GB": torch.cuda.max_memory_allocated() / 1e9 if gpu else None}  # fmt: skip
+    row = {
+        "precision": calc.precision,
+        "engine": calc.engine,
+        "compiled": calc.compiled,
+        "repr": repr(calc),
+        "ms": 1000 * float(np.median(times)),
+        "first_s": first,
+        "imports_s": imports,
+        "peak_GB": torch.cuda.max_memory_allocated() / 1e9 if gpu else None,
+    }
     if calc.compiled:
         from torch._dynamo.utils import counters
 
@@ -94,8 +101,13 @@ def measure(shape: str, molecules: int, name: str, steps: int, limit: float) -> 
     stopped after ``limit`` seconds."""
     row = {"model": f"random-{shape}", "atoms": 3 * molecules, "config": name}
     with tempfile.TemporaryDirectory(prefix="tcfp32-defaults-") as folder:
-        env = dict(os.environ, ASE_TCFP32_CACHE=f"{folder}/ase", TORCHINDUCTOR_CACHE_DIR=f"{folder}/inductor",
-                   TRITON_CACHE_DIR=f"{folder}/triton", PYTHONUNBUFFERED="1")  # fmt: skip
+        env = dict(
+            os.environ,
+            ASE_TCFP32_CACHE=f"{folder}/ase",
+            TORCHINDUCTOR_CACHE_DIR=f"{folder}/inductor",
+            TRITON_CACHE_DIR=f"{folder}/triton",
+            PYTHONUNBUFFERED="1",
+        )
         env.pop("PYTHONDONTWRITEBYTECODE", None)  # Python's own .pyc caching, as users have it
         for run in ("cold", "warm"):
             args = [sys.executable, __file__, "--child", json.dumps([shape, molecules, CANDIDATES[name], steps])]
@@ -109,7 +121,9 @@ def measure(shape: str, molecules: int, name: str, steps: int, limit: float) -> 
                 break
             result = json.loads(done.stdout.strip().splitlines()[-1])
             row[f"first_s_{run}"] = result.pop("first_s")
-            row.update(result if run == "cold" else {"ms_warm": result["ms"], "torch_cache_warm": result.get("torch_cache")})
+            row.update(
+                result if run == "cold" else {"ms_warm": result["ms"], "torch_cache_warm": result.get("torch_cache")}
+            )
     return row
 
 
@@ -132,8 +146,10 @@ def main() -> None:
     def save(group):
         _results.write("defaults", rows + group, ("model", "atoms", "config"), out=args.out)
 
-    print(f"{'model':>9} {'atoms':>6} {'config':>18} {'precision':>9} {'engine':>9} {'compiled':>8} {'ms':>8} "
-          f"{'cold s':>7} {'warm s':>7}")  # fmt: skip
+    print(
+        f"{'model':>9} {'atoms':>6} {'config':>18} {'precision':>9} {'engine':>9} {'compiled':>8} {'ms':>8} "
+        f"{'cold s':>7} {'warm s':>7}"
+    )
     for system in args.systems.split(","):
         shape, molecules = system.split(":")
         group = []
@@ -142,19 +158,26 @@ def main() -> None:
             group.append(row)
             save(group)
             if "ms" in row:
-                print(f"{row['model']:>9} {row['atoms']:>6} {name:>18} {row['precision']:>9} {row['engine']:>9} "
-                      f"{str(row['compiled']):>8} {row['ms']:8.1f} {row['first_s_cold']:7.1f} "
-                      f"{row.get('first_s_warm', float('nan')):7.1f}", flush=True)  # fmt: skip
+                print(
+                    f"{row['model']:>9} {row['atoms']:>6} {name:>18} {row['precision']:>9} {row['engine']:>9} "
+                    f"{str(row['compiled']):>8} {row['ms']:8.1f} {row['first_s_cold']:7.1f} "
+                    f"{row.get('first_s_warm', float('nan')):7.1f}",
+                    flush=True,
+                )
             else:
                 print(f"{row['model']:>9} {row['atoms']:>6} {name:>18} failed: {row}", flush=True)
         timed = [r for r in group if "ms" in r]
         default = next((r for r in timed if r["config"] == "default"), None)
-        for label, members in (("best", [r for r in timed if r["precision"] != "fp32"]),
-                               ("best-fp32", [r for r in timed if r["precision"] == "fp32"])):  # fmt: skip
+        for label, members in (
+            ("best", [r for r in timed if r["precision"] != "fp32"]),
+            ("best-fp32", [r for r in timed if r["precision"] == "fp32"]),
+        ):
             if members:
                 best = min(members, key=lambda r: r["ms"])
                 if default:
-                    print(f"  {label}: {best['config']} {best['ms']:.1f} ms; default / {label}: {default['ms'] / best['ms']:.2f}")
+                    print(
+                        f"  {label}: {best['config']} {best['ms']:.1f} ms; default / {label}: {default['ms'] / best['ms']:.2f}"
+                    )
         rows += group
 
 

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import argparse
 
+import _results
 import torch
 from gemm import PAD_WIDTH
 from triton.testing import do_bench
 
 from ase_tcfp32._fused import combine_messages, swiglu
-
-import _results
 
 D_PET = {"s": 256, "m": 384}
 
@@ -46,8 +45,11 @@ def errors(function, y: torch.Tensor, grad: torch.Tensor) -> dict:
     s, grad = torch.sigmoid(s), grad.double()
     dv, dg = y.grad.double().chunk(2, dim=-1)
     worst = lambda error, size: (error / size)[size > 0].max().item() / 2.0**-24  # noqa: E731
-    return {"h": worst((h.double() - v * s).abs(), v.abs()), "dv": worst((dv - grad * s).abs(), grad.abs()),
-            "dg": worst((dg - grad * v * s * (1 - s)).abs(), (grad * v).abs())}  # fmt: skip
+    return {
+        "h": worst((h.double() - v * s).abs(), v.abs()),
+        "dv": worst((dv - grad * s).abs(), grad.abs()),
+        "dg": worst((dg - grad * v * s * (1 - s)).abs(), (grad * v).abs()),
+    }
 
 
 def measure(size: str, atoms: int) -> list[dict]:
@@ -61,7 +63,8 @@ def measure(size: str, atoms: int) -> list[dict]:
         for name, function in (("eager", eager), ("fused", swiglu)):
             row[f"{name}_forward_ms"] = do_bench(lambda: function(y.detach()), warmup=5, rep=40)
             row[f"{name}_forward_backward_ms"] = do_bench(
-                lambda: torch.autograd.grad(function(y), y, grad), warmup=5, rep=40)  # fmt: skip
+                lambda: torch.autograd.grad(function(y), y, grad), warmup=5, rep=40
+            )
             row[f"{name}_errors_ulp"] = errors(function, y.detach(), grad)
         row["speedup_forward"] = row["eager_forward_ms"] / row["fused_forward_ms"]
         row["speedup_forward_backward"] = row["eager_forward_backward_ms"] / row["fused_forward_backward_ms"]
@@ -69,8 +72,9 @@ def measure(size: str, atoms: int) -> list[dict]:
     return rows
 
 
-def combination_errors(o: torch.Tensor, reverse: torch.Tensor, norm: torch.nn.LayerNorm, grad: torch.Tensor,
-                       function) -> dict:  # fmt: skip
+def combination_errors(
+    o: torch.Tensor, reverse: torch.Tensor, norm: torch.nn.LayerNorm, grad: torch.Tensor, function
+) -> dict:
     """Largest errors of ``function`` vs FP64 on ``o``'s first 512 atoms (slots whose reverse
     is not among them their own reverse), in units of 2^-24 times the output's largest value
     (y) and the gradient's (do)."""
@@ -107,7 +111,8 @@ def measure_combination(size: str, atoms: int) -> dict:
     for name, function in (("eager", eager_combination), ("fused", combine_messages)):
         row[f"{name}_forward_ms"] = do_bench(lambda: function(o.detach(), reverse, norm), warmup=5, rep=40)
         row[f"{name}_forward_backward_ms"] = do_bench(
-            lambda: torch.autograd.grad(function(o, reverse, norm), o, grad), warmup=5, rep=40)  # fmt: skip
+            lambda: torch.autograd.grad(function(o, reverse, norm), o, grad), warmup=5, rep=40
+        )
         row[f"{name}_errors_ulp"] = combination_errors(o, reverse, norm, grad, function)
     return row
 
@@ -118,20 +123,31 @@ def main() -> None:
     parser.add_argument("--atoms", default="192,17280")
     parser.add_argument("--out", default=None, help="results file (default: benchmarks/results/fused_<gpu>.json)")
     args = parser.parse_args()
-    rows = [r for size in args.models.split(",") for atoms in map(int, args.atoms.split(",")) for r in measure(size, atoms)]
-    combinations = [measure_combination(size, atoms) for size in args.models.split(",") for atoms in map(int, args.atoms.split(","))]
-    print("model  atoms  layer       rows x 2F          eager fwd / +bwd ms   fused fwd / +bwd ms   speed-up   err h/dv/dg (2^-24)")
+    rows = [
+        r for size in args.models.split(",") for atoms in map(int, args.atoms.split(",")) for r in measure(size, atoms)
+    ]
+    combinations = [
+        measure_combination(size, atoms) for size in args.models.split(",") for atoms in map(int, args.atoms.split(","))
+    ]
+    print(
+        "model  atoms  layer       rows x 2F          eager fwd / +bwd ms   fused fwd / +bwd ms   speed-up   err h/dv/dg (2^-24)"
+    )
     for r in rows:
         e = r["fused_errors_ulp"]
-        print(f"{r['model']:>5} {r['atoms']:>6}  {r['layer']:<10} {r['shape'][0]:>8} x {r['shape'][1]:<5} "
-              f"{r['eager_forward_ms']:8.3f} / {r['eager_forward_backward_ms']:8.3f}   "
-              f"{r['fused_forward_ms']:8.3f} / {r['fused_forward_backward_ms']:8.3f}   "
-              f"{r['speedup_forward']:.2f} / {r['speedup_forward_backward']:.2f}x  "
-              f"{e['h']:.1f} / {e['dv']:.1f} / {e['dg']:.1f}")  # fmt: skip
+        print(
+            f"{r['model']:>5} {r['atoms']:>6}  {r['layer']:<10} {r['shape'][0]:>8} x {r['shape'][1]:<5} "
+            f"{r['eager_forward_ms']:8.3f} / {r['eager_forward_backward_ms']:8.3f}   "
+            f"{r['fused_forward_ms']:8.3f} / {r['fused_forward_backward_ms']:8.3f}   "
+            f"{r['speedup_forward']:.2f} / {r['speedup_forward_backward']:.2f}x  "
+            f"{e['h']:.1f} / {e['dv']:.1f} / {e['dg']:.1f}"
+        )
     print("model  atoms  combination rows x 2D   fwd / fwd+bwd ms, eager and fused   err y/do (2^-24)")
     for r in combinations:
-        times = "  ".join(f"{k[:-11]} {r[k]:.3f}/{r[k.replace('forward_ms', 'forward_backward_ms')]:.3f}"
-                          for k in r if k.endswith("_forward_ms"))  # fmt: skip
+        times = "  ".join(
+            f"{k[:-11]} {r[k]:.3f}/{r[k.replace('forward_ms', 'forward_backward_ms')]:.3f}"
+            for k in r
+            if k.endswith("_forward_ms")
+        )
         errors = "  ".join(f"{k[:-11]} {v['y']:.1f}/{v['do']:.1f}" for k, v in r.items() if k.endswith("_errors_ulp"))
         print(f"{r['model']:>5} {r['atoms']:>6}  {r['shape'][0]:>8} x {r['shape'][1]:<5}  {times}   {errors}")
     _results.write("fused", rows + combinations, ("model", "atoms", "layer"), out=args.out)

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 
+import _results
 import torch
 from triton.testing import do_bench
 
 from ase_tcfp32._kernels.cublas import version as cublas_version
 from ase_tcfp32._kernels.triton_gemm import TritonBackend
-
-import _results
 
 PAD_WIDTH = {("s", 192): 38, ("s", 17280): 39, ("m", 192): 49, ("m", 17280): 51}
 """Padded neighbor width W of water at 1 g/cm³ (cutoff_width_adaptive 1.0)."""

@@ -41,8 +41,17 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 I_PI = shutil.which("i-pi") or str(Path(sys.executable).parent / "i-pi")
 
 
-def run(model: str, structure, *, beads: int, steps: int, warmup: int, batch_size: int,
-        drivers: list[dict], timeout: float = 540.0) -> dict:  # fmt: skip
+def run(
+    model: str,
+    structure,
+    *,
+    beads: int,
+    steps: int,
+    warmup: int,
+    batch_size: int,
+    drivers: list[dict],
+    timeout: float = 540.0,
+) -> dict:
     """One i-PI run; ``drivers``: per driver process its options (``precision``, ``engine``,
     ``device``) and, optionally, ``env`` (e.g. ``CUDA_VISIBLE_DEVICES``) and ``mode`` (an
     i-PI driver other than ours, e.g. ``"dummy"``: no options passed). Returns the median
@@ -55,13 +64,26 @@ def run(model: str, structure, *, beads: int, steps: int, warmup: int, batch_siz
     started = []
     try:
         ase.io.write(folder / "structure.xyz", structure)
-        xml = ipi.pimd_input(f"{folder}/structure.xyz", beads=beads, steps=warmup + steps, batch_size=batch_size,
-                             sockets=f"{folder}/", prefix=f"{folder}/sim", trajectory_stride=100000)  # fmt: skip
+        xml = ipi.pimd_input(
+            f"{folder}/structure.xyz",
+            beads=beads,
+            steps=warmup + steps,
+            batch_size=batch_size,
+            sockets=f"{folder}/",
+            prefix=f"{folder}/sim",
+            trajectory_stride=100000,
+        )
         (folder / "input.xml").write_text(xml)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         start = time.perf_counter()
-        server = subprocess.Popen([I_PI, "input.xml"], cwd=folder, stdout=open(folder / "server.log", "w"),
-                                  stderr=subprocess.STDOUT, env=env, start_new_session=True)  # fmt: skip
+        server = subprocess.Popen(
+            [I_PI, "input.xml"],
+            cwd=folder,
+            stdout=open(folder / "server.log", "w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         started.append(server)
         while not (folder / "pet").exists():
             if server.poll() is not None or time.perf_counter() - start > 60:
@@ -74,8 +96,16 @@ def run(model: str, structure, *, beads: int, steps: int, warmup: int, batch_siz
             if mode == "custom":
                 params = {"template": f"{folder}/structure.xyz", "model": model, **options}
                 args += ["-P", ipi.__file__, "-o", ",".join(f"{key}={value}" for key, value in params.items())]
-            started.append(subprocess.Popen(args, cwd=folder, stdout=open(folder / f"driver{k}.log", "w"),
-                                            stderr=subprocess.STDOUT, env={**env, **extra}, start_new_session=True))  # fmt: skip
+            started.append(
+                subprocess.Popen(
+                    args,
+                    cwd=folder,
+                    stdout=open(folder / f"driver{k}.log", "w"),
+                    stderr=subprocess.STDOUT,
+                    env={**env, **extra},
+                    start_new_session=True,
+                )
+            )
         stamps, lines, out = [], 0, folder / "sim.out"
         deadline, drivers_left = start + timeout, started[1:]
         while server.poll() is None:
@@ -91,9 +121,13 @@ def run(model: str, structure, *, beads: int, steps: int, warmup: int, batch_siz
                 lines = count
             time.sleep(0.002)
         intervals = np.diff(stamps[warmup:])
-        row = {"ms_per_step": 1000 * float(np.median(intervals)), "first_step_s": stamps[0] - start if stamps else None,
-               "steps_timed": len(intervals), "ms_per_step_mean": 1000 * float(np.mean(intervals)),
-               "step_ms": [round(1000 * float(t), 2) for t in intervals]}  # fmt: skip
+        row = {
+            "ms_per_step": 1000 * float(np.median(intervals)),
+            "first_step_s": stamps[0] - start if stamps else None,
+            "steps_timed": len(intervals),
+            "ms_per_step_mean": 1000 * float(np.mean(intervals)),
+            "step_ms": [round(1000 * float(t), 2) for t in intervals],
+        }
         return {**row, **_requests(started[1:], folder, steps=warmup + steps + 1)}
     finally:
         for process in started:
@@ -122,11 +156,11 @@ def _requests(drivers: list, folder: Path, steps: int) -> dict:
 
 def ase_step_ms(model: str, structure, precision: str, steps: int) -> float:
     """Median ms per ASE velocity-Verlet step of ``structure`` in this process (default engine)."""
+    from _timing import md_step_times
     from ase.md.verlet import VelocityVerlet
     from ase.units import fs
 
     from ase_tcfp32 import TCPETCalculator
-    from _timing import md_step_times
 
     atoms = structure.copy()
     atoms.calc = TCPETCalculator(model, precision=precision)
@@ -159,13 +193,20 @@ def main() -> None:
     extra = dict(item.split("=", 1) for item in args.driver_options.split(",") if item)
     water = water_box(args.molecules, seed=0)
     rows = []
-    print(f"{'precision':>9} {'engine':>7} {'batch':>5} {'median ms':>9} {'mean ms':>8} {'bead-steps/s':>12} "
-          f"{'atom-steps/s':>12} {'requests':>9} {'padded':>6} {'steps':>5}")  # fmt: skip
+    print(
+        f"{'precision':>9} {'engine':>7} {'batch':>5} {'median ms':>9} {'mean ms':>8} {'bead-steps/s':>12} "
+        f"{'atom-steps/s':>12} {'requests':>9} {'padded':>6} {'steps':>5}"
+    )
     batches = list(map(int, args.batches.split(","))) if args.batches else []
     runs = [("none", "dummy", batch) for batch in batches if args.floor]
     precisions = [p for p in args.precisions.split(",") if p]
-    runs += [(precision, engine, batch) for precision in precisions for batch in batches for engine in args.engines.split(",")
-             if not (engine == "graphs" and batch * len(water) <= GRAPH_ATOMS)]  # "graphs" where "auto" is graphs: skipped
+    runs += [
+        (precision, engine, batch)
+        for precision in precisions
+        for batch in batches
+        for engine in args.engines.split(",")
+        if not (engine == "graphs" and batch * len(water) <= GRAPH_ATOMS)
+    ]  # "graphs" where "auto" is graphs: skipped
     for precision, engine, batch in runs:
         row = {"precision": precision, "engine": engine, "batch_size": batch, "beads": args.beads, "atoms": len(water)}
         if engine == "dummy":
@@ -174,13 +215,25 @@ def main() -> None:
             driver = {"precision": precision, "engine": engine, **extra}
             row.update(model=f"random-{args.model}", **extra)
         try:
-            row.update(run(model, water, beads=args.beads, steps=args.steps, warmup=args.warmup, batch_size=batch,
-                           drivers=[driver]))  # fmt: skip
+            row.update(
+                run(
+                    model,
+                    water,
+                    beads=args.beads,
+                    steps=args.steps,
+                    warmup=args.warmup,
+                    batch_size=batch,
+                    drivers=[driver],
+                )
+            )
             row["bead_steps_per_s"] = args.beads * 1000 / row["ms_per_step_mean"]
             row["atom_steps_per_s"] = row["bead_steps_per_s"] * len(water)
-            print(f"{precision:>9} {engine:>7} {batch:>5} {row['ms_per_step']:9.1f} {row['ms_per_step_mean']:8.1f} "
-                  f"{row['bead_steps_per_s']:12.0f} {row['atom_steps_per_s']:12.0f} {row.get('requests', '-'):>9} "
-                  f"{row.get('padded_requests', '-'):>6} {row.get('steps_in_all', '-'):>5}", flush=True)  # fmt: skip
+            print(
+                f"{precision:>9} {engine:>7} {batch:>5} {row['ms_per_step']:9.1f} {row['ms_per_step_mean']:8.1f} "
+                f"{row['bead_steps_per_s']:12.0f} {row['atom_steps_per_s']:12.0f} {row.get('requests', '-'):>9} "
+                f"{row.get('padded_requests', '-'):>6} {row.get('steps_in_all', '-'):>5}",
+                flush=True,
+            )
         except Exception as error:  # a configuration that fails must not stop the others
             row["error"] = str(error)[-1500:]
             print(f"{precision:>9} {engine:>7} {batch:>5} failed: {row['error'][-300:]}", flush=True)
@@ -189,14 +242,34 @@ def main() -> None:
     if args.large:
         large = water_box(args.large, seed=0)
         for precision in precisions:
-            row = {"precision": precision, "engine": "auto", "batch_size": 1, "beads": 1, "atoms": len(large),
-                   "model": f"random-{args.model}", "large": True, **extra}  # fmt: skip
-            row.update(run(model, large, beads=1, steps=args.steps, warmup=args.warmup, batch_size=1,
-                           drivers=[{"precision": precision, **extra}]))  # fmt: skip
+            row = {
+                "precision": precision,
+                "engine": "auto",
+                "batch_size": 1,
+                "beads": 1,
+                "atoms": len(large),
+                "model": f"random-{args.model}",
+                "large": True,
+                **extra,
+            }
+            row.update(
+                run(
+                    model,
+                    large,
+                    beads=1,
+                    steps=args.steps,
+                    warmup=args.warmup,
+                    batch_size=1,
+                    drivers=[{"precision": precision, **extra}],
+                )
+            )
             row["ase_ms_per_step"] = ase_step_ms(model, large, precision, steps=args.steps)
             row["atom_steps_per_s"] = len(large) * 1000 / row["ms_per_step_mean"]
-            print(f"{len(large)} atoms, {precision}: i-PI {row['ms_per_step']:.1f} ms/step, ASE {row['ase_ms_per_step']:.1f} "
-                  f"ms/step, {row['atom_steps_per_s']:.0f} atom-steps/s through i-PI", flush=True)  # fmt: skip
+            print(
+                f"{len(large)} atoms, {precision}: i-PI {row['ms_per_step']:.1f} ms/step, ASE {row['ase_ms_per_step']:.1f} "
+                f"ms/step, {row['atom_steps_per_s']:.0f} atom-steps/s through i-PI",
+                flush=True,
+            )
             rows.append(row)
             save(args.out, rows)
 

@@ -29,14 +29,16 @@ def main() -> None:
     parser.add_argument("--model", default="s")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--same-gpu", action="store_true", help="every driver on GPU 0 (to test on one GPU)")
-    parser.add_argument("--out", default=None, help="results file (default: benchmarks/results/ipi_multi_gpu_<gpu>.json)")
+    parser.add_argument(
+        "--out", default=None, help="results file (default: benchmarks/results/ipi_multi_gpu_<gpu>.json)"
+    )
     args = parser.parse_args()
 
+    import _results
     import torch
 
     from ase_tcfp32.testing import random_checkpoint
     from ase_tcfp32.validation import water_box
-    import _results
 
     model = str(random_checkpoint(args.model))
     available = torch.cuda.device_count()
@@ -57,24 +59,38 @@ def main() -> None:
             for layout, (drivers, batch) in layouts.items():
                 if gpus == 1 and layout != "driver per GPU":
                     continue  # the same run as the other layout
-                row = {"atoms": len(water), "beads": beads, "gpus": gpus, "layout": layout, "batch_size": batch,
-                       "same_gpu": args.same_gpu}  # fmt: skip
+                row = {
+                    "atoms": len(water),
+                    "beads": beads,
+                    "gpus": gpus,
+                    "layout": layout,
+                    "batch_size": batch,
+                    "same_gpu": args.same_gpu,
+                }
                 try:
-                    row.update(ipi_benchmark.run(model, water, beads=beads, steps=args.steps, warmup=2, batch_size=batch,
-                                                 drivers=drivers))  # fmt: skip
+                    row.update(
+                        ipi_benchmark.run(
+                            model, water, beads=beads, steps=args.steps, warmup=2, batch_size=batch, drivers=drivers
+                        )
+                    )
                     row["bead_steps_per_s"] = beads * 1000 / row["ms_per_step_mean"]
                     if gpus == 1:
                         base[1] = row["bead_steps_per_s"]
                     row["speedup_vs_1_gpu"] = row["bead_steps_per_s"] / base[1] if 1 in base else None
-                    print(f"{len(water):>6} atoms x {beads:>2} beads, {gpus} GPU(s), {layout:>24}: "
-                          f"{row['ms_per_step_mean']:8.1f} ms/step (mean), {row['bead_steps_per_s']:8.1f} bead-steps/s, "
-                          f"x{row['speedup_vs_1_gpu'] or float('nan'):.2f}", flush=True)  # fmt: skip
+                    print(
+                        f"{len(water):>6} atoms x {beads:>2} beads, {gpus} GPU(s), {layout:>24}: "
+                        f"{row['ms_per_step_mean']:8.1f} ms/step (mean), {row['bead_steps_per_s']:8.1f} bead-steps/s, "
+                        f"x{row['speedup_vs_1_gpu'] or float('nan'):.2f}",
+                        flush=True,
+                    )
                 except Exception as error:
                     row["error"] = str(error)[-1500:]
                     print(f"{len(water)} atoms, {gpus} GPU(s), {layout}: failed: {row['error'][-300:]}", flush=True)
                 rows.append(row)
                 env = {**_results.environment(), "gpus_available": available}
-                _results.write("ipi_multi_gpu", rows, ("atoms", "beads", "gpus", "layout", "same_gpu"), env=env, out=args.out)
+                _results.write(
+                    "ipi_multi_gpu", rows, ("atoms", "beads", "gpus", "layout", "same_gpu"), env=env, out=args.out
+                )
 
 
 if __name__ == "__main__":

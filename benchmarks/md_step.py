@@ -22,23 +22,32 @@ from __future__ import annotations
 import argparse
 import warnings
 
+import _results
 import numpy as np
 import torch
+from _timing import md_step_times
 from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
 from ase.md.verlet import VelocityVerlet
 from ase.units import fs
 
 from ase_tcfp32 import TCPETCalculator
-from ase_tcfp32.testing import random_checkpoint
 from ase_tcfp32.precision import FP32_ACCURATE
+from ase_tcfp32.testing import random_checkpoint
 from ase_tcfp32.validation import water_box
-from _timing import md_step_times
-
-import _results
 
 
-def time_steps(model, precision: str, atoms, steps: int, compile: bool, engine: str = "metatomic",
-               low_memory: bool = False, skin: float = 2.0, warmup: int = 3, table: bool = False) -> dict:  # fmt: skip
+def time_steps(
+    model,
+    precision: str,
+    atoms,
+    steps: int,
+    compile: bool,
+    engine: str = "metatomic",
+    low_memory: bool = False,
+    skin: float = 2.0,
+    warmup: int = 3,
+    table: bool = False,
+) -> dict:
     """Median and minimum ms per MD step and peak GPU memory (GB) of one configuration;
     the first call's time (compilation and graph recording included) separately; for the
     lean engines the neighbor table's final width, its widenings, the pair-list builds and
@@ -46,8 +55,15 @@ def time_steps(model, precision: str, atoms, steps: int, compile: bool, engine: 
     calculator packs them)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        calc = TCPETCalculator(model, precision=precision, device="cuda", compile=compile, low_memory=low_memory,
-                               engine=engine, neighbor_skin=skin)  # fmt: skip
+        calc = TCPETCalculator(
+            model,
+            precision=precision,
+            device="cuda",
+            compile=compile,
+            low_memory=low_memory,
+            engine=engine,
+            neighbor_skin=skin,
+        )
     if table and calc._engine is not None:
         calc._engine.packed = False
     atoms = atoms.copy()
@@ -56,11 +72,20 @@ def time_steps(model, precision: str, atoms, steps: int, compile: bool, engine: 
     dyn = VelocityVerlet(atoms, 0.25 * fs)
     torch.cuda.reset_peak_memory_stats()
     times = md_step_times(dyn, warmup + steps)
-    row = {"ms": 1000 * float(np.median(times[warmup:])), "ms_min": 1000 * float(np.min(times[warmup:])),
-           "first_s": times[0], "peak_GB": torch.cuda.max_memory_allocated() / 1e9}  # fmt: skip
+    row = {
+        "ms": 1000 * float(np.median(times[warmup:])),
+        "ms_min": 1000 * float(np.min(times[warmup:])),
+        "first_s": times[0],
+        "peak_GB": torch.cuda.max_memory_allocated() / 1e9,
+    }
     if calc._engine is not None:  # the lean engines' neighbor table and Verlet list
-        row.update(table_width=calc._engine.width, widenings=calc._engine.widenings, pair_rebuilds=calc._engine.rebuilds,
-                   edge_rows="packed" if calc._engine.packed else "table", packed_rows=calc._engine.rows)  # fmt: skip
+        row.update(
+            table_width=calc._engine.width,
+            widenings=calc._engine.widenings,
+            pair_rebuilds=calc._engine.rebuilds,
+            edge_rows="packed" if calc._engine.packed else "table",
+            packed_rows=calc._engine.rows,
+        )
     return row
 
 
@@ -89,8 +114,11 @@ def main() -> None:
     parser.add_argument("--compile", choices=["no", "yes", "both"], default="no")
     parser.add_argument("--low-memory", action="store_true", help="low_memory=True for every row")
     parser.add_argument("--skin", type=float, default=2.0, help="neighbor_skin in Å")
-    parser.add_argument("--table", action="store_true",
-                        help="also time the lean engines' FP32-accurate rows on the neighbor table, not packed rows")
+    parser.add_argument(
+        "--table",
+        action="store_true",
+        help="also time the lean engines' FP32-accurate rows on the neighbor table, not packed rows",
+    )
     parser.add_argument("--out", default=None, help="results file (default: benchmarks/results/md_step_<gpu>.json)")
     args = parser.parse_args()
     modes = {"no": [False], "yes": [True], "both": [False, True]}[args.compile]
@@ -108,20 +136,43 @@ def main() -> None:
                     for precision, table in [(p, t) for p in args.precisions.split(",") for t in layouts]:
                         if table and precision not in FP32_ACCURATE:
                             continue
-                        row = {"model": f"random-{shape}", "atoms": len(atoms), "engine": engine, "compiled": compiled,
-                               "precision": precision, "low_memory": args.low_memory, "skin": args.skin}  # fmt: skip
+                        row = {
+                            "model": f"random-{shape}",
+                            "atoms": len(atoms),
+                            "engine": engine,
+                            "compiled": compiled,
+                            "precision": precision,
+                            "low_memory": args.low_memory,
+                            "skin": args.skin,
+                        }
                         try:
-                            row.update(time_steps(model, precision, atoms, args.steps, compiled, engine, args.low_memory,
-                                                  args.skin, table=table))  # fmt: skip
+                            row.update(
+                                time_steps(
+                                    model,
+                                    precision,
+                                    atoms,
+                                    args.steps,
+                                    compiled,
+                                    engine,
+                                    args.low_memory,
+                                    args.skin,
+                                    table=table,
+                                )
+                            )
                         except torch.OutOfMemoryError:
                             row["error"] = "out of memory"
                         except Exception as error:  # a configuration that fails must not stop the others
                             row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
                         torch.cuda.empty_cache()
-                        result = (f"{row['ms']:9.1f} {row['first_s']:8.1f} {row['peak_GB']:8.1f}" if "ms" in row
-                                  else row["error"])  # fmt: skip
+                        result = (
+                            f"{row['ms']:9.1f} {row['first_s']:8.1f} {row['peak_GB']:8.1f}"
+                            if "ms" in row
+                            else row["error"]
+                        )
                         name = f"{precision}{' (table)' if table else ''}"
-                        print(f"{shape:>5} {len(atoms):>6} {engine:>9} {str(compiled):>8} {name:>9} {result}", flush=True)
+                        print(
+                            f"{shape:>5} {len(atoms):>6} {engine:>9} {str(compiled):>8} {name:>9} {result}", flush=True
+                        )
                         group.append(row)
                         save(args.out, rows + group)
             add_speedups(group)
@@ -129,9 +180,11 @@ def main() -> None:
             for row in group:
                 if "ms" in row:
                     same = row["speedup_vs_fp32_same_config"]
-                    print(f"  {row['engine']:>9} compiled={str(row['compiled']):5} {row['precision']:>7} "
-                          f"{row.get('edge_rows', ''):>6} "
-                          f"{same if same else float('nan'):6.2f} {row['speedup_vs_best_fp32'] or float('nan'):6.2f}")  # fmt: skip
+                    print(
+                        f"  {row['engine']:>9} compiled={str(row['compiled']):5} {row['precision']:>7} "
+                        f"{row.get('edge_rows', ''):>6} "
+                        f"{same if same else float('nan'):6.2f} {row['speedup_vs_best_fp32'] or float('nan'):6.2f}"
+                    )
             rows += group
             save(args.out, rows)
 

@@ -17,13 +17,12 @@ import argparse
 import time
 import warnings
 
+import _results
 import torch
 
 from ase_tcfp32 import TCPETCalculator
 from ase_tcfp32.testing import random_checkpoint
 from ase_tcfp32.validation import water_box
-
-import _results
 
 
 def _calculator(shape: str, precision: str, device: str, low_memory: bool) -> TCPETCalculator:
@@ -38,8 +37,9 @@ def _cpu_peak(run) -> int:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())  # fmt: skip
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
     total = peak = 0
     for event in events:
         total += event.nbytes()
@@ -77,8 +77,10 @@ def largest(shape: str, precision: str, low_memory: bool, start: int = 1024) -> 
         except torch.OutOfMemoryError:
             ok = False
         torch.cuda.empty_cache()
-        print(f"  {shape} {precision} low_memory={low_memory}: {3 * molecules} atoms "
-              f"{'fit' if ok else 'out of memory'}", flush=True)  # fmt: skip
+        print(
+            f"  {shape} {precision} low_memory={low_memory}: {3 * molecules} atoms {'fit' if ok else 'out of memory'}",
+            flush=True,
+        )
         return ok
 
     good, bad = 0, start
@@ -103,19 +105,35 @@ def main() -> None:
     print(f"{'model':>5} {'atoms':>6} {'precision':>9} {'peak GB':>8} {'low_memory':>10} {'ratio':>6} {'time x':>6}")
     for shape in args.models.split(","):
         for precision in args.precisions.split(","):
-            default, low = (measure(_calculator(shape, precision, args.device, m), args.molecules) for m in (False, True))
-            row = {"model": f"random-{shape}", "precision": precision, "atoms": default["atoms"],
-                   "peak_GB": default["peak_GB"], "peak_GB_low_memory": low["peak_GB"],
-                   "memory_ratio": low["peak_GB"] / default["peak_GB"], "time_ratio": low["s"] / default["s"]}  # fmt: skip
+            default, low = (
+                measure(_calculator(shape, precision, args.device, m), args.molecules) for m in (False, True)
+            )
+            row = {
+                "model": f"random-{shape}",
+                "precision": precision,
+                "atoms": default["atoms"],
+                "peak_GB": default["peak_GB"],
+                "peak_GB_low_memory": low["peak_GB"],
+                "memory_ratio": low["peak_GB"] / default["peak_GB"],
+                "time_ratio": low["s"] / default["s"],
+            }
             if args.largest:
                 row["largest_molecules"] = largest(shape, precision, False)
                 row["largest_molecules_low_memory"] = largest(shape, precision, True)
-            print(f"{shape:>5} {row['atoms']:>6} {precision:>9} {row['peak_GB']:8.2f} {row['peak_GB_low_memory']:10.2f} "
-                  f"{row['memory_ratio']:6.2f} {row['time_ratio']:6.2f}"
-                  + (f"  largest box: {3 * row['largest_molecules']} / {3 * row['largest_molecules_low_memory']} atoms"
-                     if args.largest else ""), flush=True)  # fmt: skip
+            print(
+                f"{shape:>5} {row['atoms']:>6} {precision:>9} {row['peak_GB']:8.2f} {row['peak_GB_low_memory']:10.2f} "
+                f"{row['memory_ratio']:6.2f} {row['time_ratio']:6.2f}"
+                + (
+                    f"  largest box: {3 * row['largest_molecules']} / {3 * row['largest_molecules_low_memory']} atoms"
+                    if args.largest
+                    else ""
+                ),
+                flush=True,
+            )
             rows.append(row)
-            _results.write("memory", rows, ("model", "precision", "atoms"), env=_results.environment(args.device), out=args.out)
+            _results.write(
+                "memory", rows, ("model", "precision", "atoms"), env=_results.environment(args.device), out=args.out
+            )
 
 
 if __name__ == "__main__":

@@ -16,9 +16,8 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
 import _results  # noqa: E402
+import matplotlib.pyplot as plt  # noqa: E402
 from report import METHODS, milliseconds, shape  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
@@ -32,8 +31,10 @@ def subtitle(data: dict) -> str:
     """The GPU, versions and dates of a results file, for a figure's foot."""
     env = data["runs"][0]["environment"]
     dates = sorted({run["date"] for run in data["runs"]})
-    return (f"{env.get('gpu', 'CPU')}, torch {env.get('torch', '?')}, Triton {env.get('triton', '?')}, "
-            f"CUDA {env.get('cuda', '?')}; {dates[0]}" + (f" to {dates[-1]}" if len(dates) > 1 else ""))  # fmt: skip
+    return (
+        f"{env.get('gpu', 'CPU')}, torch {env.get('torch', '?')}, Triton {env.get('triton', '?')}, "
+        f"CUDA {env.get('cuda', '?')}; {dates[0]}" + (f" to {dates[-1]}" if len(dates) > 1 else "")
+    )
 
 
 def md_step() -> Path:
@@ -47,17 +48,29 @@ def md_step() -> Path:
         # what the calculator runs at each size
         lines: dict[str, list[dict]] = {}
         for r in rows:
-            label = "FP32, metatomic + compile (best FP32 at 17,280)" if r["compiled"] else {
-                "fp16x3": "fp16x3 (FP32-accurate, Hopper default)", "fp32": "FP32, same engine",
-                "tf32": "tf32, 1 pass (not FP32-accurate)"}.get(r["precision"], r["precision"])  # fmt: skip
+            label = (
+                "FP32, metatomic + compile (best FP32 at 17,280)"
+                if r["compiled"]
+                else {
+                    "fp16x3": "fp16x3 (FP32-accurate, Hopper default)",
+                    "fp32": "FP32, same engine",
+                    "tf32": "tf32, 1 pass (not FP32-accurate)",
+                }.get(r["precision"], r["precision"])
+            )
             lines.setdefault(label, []).append(r)
         labels = []
         for label, points in lines.items():
             points.sort(key=lambda r: r["atoms"])
             colour = COLOURS.get(points[0]["precision"], "grey")
             style = "--" if points[0]["compiled"] else "-"
-            ax.plot([p["atoms"] for p in points], [p["ms"] for p in points], style, marker="s" if points[0]["compiled"] else "o",
-                    color=colour, label=label)  # fmt: skip
+            ax.plot(
+                [p["atoms"] for p in points],
+                [p["ms"] for p in points],
+                style,
+                marker="s" if points[0]["compiled"] else "o",
+                color=colour,
+                label=label,
+            )
             labels += [(p["atoms"], p["ms"], colour) for p in points]
         for atoms in {x for x, _, _ in labels}:  # values beside their points, spread so that none overlap
             here = sorted((ms, colour) for x, ms, colour in labels if x == atoms)
@@ -65,8 +78,14 @@ def md_step() -> Path:
             for ms, _ in here[1:]:
                 ys.append(max(ms, ys[-1] * 1.4))
             for (ms, colour), y in zip(here, ys):
-                ax.annotate(f"{milliseconds(ms)} ms", (atoms, ms), xytext=(atoms * 1.25, y), fontsize=8, color=colour,
-                            va="center")  # fmt: skip
+                ax.annotate(
+                    f"{milliseconds(ms)} ms",
+                    (atoms, ms),
+                    xytext=(atoms * 1.25, y),
+                    fontsize=8,
+                    color=colour,
+                    va="center",
+                )
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlim(100, 80000)
@@ -99,8 +118,15 @@ def gemm() -> Path:
             backward = [by[layer]["fp32_bwd_ms"] / by[layer]["bwd_ms"] for layer in layers]
             precision = METHODS[method]
             ax.barh(ys, speed, height=height, color=COLOURS[precision], label=f"{precision} forward")
-            ax.scatter(backward, ys, marker="|", s=60, color="black", zorder=3,
-                       label="backward (input gradient)" if i == 0 else None)  # fmt: skip
+            ax.scatter(
+                backward,
+                ys,
+                marker="|",
+                s=60,
+                color="black",
+                zorder=3,
+                label="backward (input gradient)" if i == 0 else None,
+            )
         ax.axvline(1.0, color="black", linewidth=1)
         ax.set_yticks(range(len(layers)), layers, fontsize=8)
         ax.invert_yaxis()
@@ -141,8 +167,15 @@ def accuracy() -> Path:
         by = {r["precision"]: r for r in system["rows"]}
         xs = [i + (j - (len(systems) - 1) / 2) * width for i in range(len(shown))]
         values = [by[p]["vs_fp64_force_rms"] for p in shown]
-        bars = right.bar(xs, values, width=width, color=[COLOURS[p] for p in shown], alpha=1.0 if j else 0.55,
-                         edgecolor="black", label=f"{system['atoms']:,} atoms")  # fmt: skip
+        bars = right.bar(
+            xs,
+            values,
+            width=width,
+            color=[COLOURS[p] for p in shown],
+            alpha=1.0 if j else 0.55,
+            edgecolor="black",
+            label=f"{system['atoms']:,} atoms",
+        )
         right.bar_label(bars, [f"{v:.1e}" for v in values], fontsize=7, rotation=90, padding=2)
     right.set_xticks(range(len(shown)), ["FP32", "tf32\n(1 pass)", "tf32x3", "bf16x9"])
     right.set_yscale("log")
@@ -151,8 +184,10 @@ def accuracy() -> Path:
     right.set_title(f"Forces: {validation['model']} on water (light: 192 atoms)")
     right.grid(True, axis="y", which="both", alpha=0.3)
     fig.suptitle("Error against FP64: the emulated precisions sit at or below FP32's", fontsize=12)
-    foot = (subtitle(data) + "; python benchmarks/gemm.py | forces: ase-tcfp32 validate single-point, "
-            f"{validation['date'][:10]} (fp16x3 not in that run)")  # fmt: skip
+    foot = (
+        subtitle(data) + "; python benchmarks/gemm.py | forces: ase-tcfp32 validate single-point, "
+        f"{validation['date'][:10]} (fp16x3 not in that run)"
+    )
     fig.text(0.5, 0.01, foot, ha="center", fontsize=8, color="dimgrey")
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     return save(fig, "accuracy.png")

@@ -15,6 +15,7 @@ import argparse
 import time
 import warnings
 
+import _results
 import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -23,10 +24,10 @@ from ase_tcfp32 import TCPETCalculator
 from ase_tcfp32.validation import water_box
 from ase_tcfp32.validation.common import resolve_model
 
-import _results
 
-
-def profile_precision(model: str, precision: str, atoms, steps: int, engine: str = "metatomic", compile: bool = False) -> dict:
+def profile_precision(
+    model: str, precision: str, atoms, steps: int, engine: str = "metatomic", compile: bool = False
+) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         atoms = atoms.copy()
@@ -48,11 +49,16 @@ def profile_precision(model: str, precision: str, atoms, steps: int, engine: str
         wall = (time.perf_counter() - start) / steps
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
     averages = prof.key_averages()
-    return {"precision": precision, "engine": engine, "compiled": compile, "wall_ms": 1000 * wall,
-            "gpu_busy_ms": sum(e.device_time for e in kernels) / 1000 / steps,
-            "kernels_per_step": len(kernels) / steps,
-            "top_host_ops": averages.table(sort_by="self_cpu_time_total", row_limit=12),
-            "top_gpu_ops": averages.table(sort_by="self_device_time_total", row_limit=25)}  # fmt: skip
+    return {
+        "precision": precision,
+        "engine": engine,
+        "compiled": compile,
+        "wall_ms": 1000 * wall,
+        "gpu_busy_ms": sum(e.device_time for e in kernels) / 1000 / steps,
+        "kernels_per_step": len(kernels) / steps,
+        "top_host_ops": averages.table(sort_by="self_cpu_time_total", row_limit=12),
+        "top_gpu_ops": averages.table(sort_by="self_device_time_total", row_limit=25),
+    }
 
 
 def main() -> None:
@@ -62,15 +68,23 @@ def main() -> None:
     parser.add_argument("--precisions", default="fp32,tf32x3")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--engine", default="metatomic", help="TCPETCalculator(engine=...)")
-    parser.add_argument("--compile", action="store_true", help="TCPETCalculator(compile=True) (compiled during warm-up)")
+    parser.add_argument(
+        "--compile", action="store_true", help="TCPETCalculator(compile=True) (compiled during warm-up)"
+    )
     parser.add_argument("--gpu-ops", action="store_true", help="also print the operators with the most GPU time")
-    parser.add_argument("--out", default=None, help="results file (default: benchmarks/results/profile_step_<gpu>.json)")
+    parser.add_argument(
+        "--out", default=None, help="results file (default: benchmarks/results/profile_step_<gpu>.json)"
+    )
     args = parser.parse_args()
     model, atoms = resolve_model(args.model), water_box(args.molecules, seed=0)
-    rows = [profile_precision(model, p, atoms, args.steps, args.engine, args.compile) for p in args.precisions.split(",")]
+    rows = [
+        profile_precision(model, p, atoms, args.steps, args.engine, args.compile) for p in args.precisions.split(",")
+    ]
     for row in rows:
-        print(f"{row['precision']}: {row['wall_ms']:.1f} ms/step wall, {row['gpu_busy_ms']:.1f} ms GPU busy, "
-              f"{row['kernels_per_step']:.0f} kernels/step")  # fmt: skip
+        print(
+            f"{row['precision']}: {row['wall_ms']:.1f} ms/step wall, {row['gpu_busy_ms']:.1f} ms GPU busy, "
+            f"{row['kernels_per_step']:.0f} kernels/step"
+        )
     for row in rows:
         print(f"\n{row['precision']}, host time by operator:\n{row['top_host_ops']}")
         if args.gpu_ops:

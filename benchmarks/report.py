@@ -20,8 +20,12 @@ import _results
 
 PAGE = Path(__file__).parents[1] / "docs" / "performance.md"
 
-METHODS = {"gluon_fp16x3": "fp16x3", "triton_tf32x3": "tf32x3", "triton_bf16x9": "bf16x9",
-           "cublas_tf32": "TF32, 1 pass (cuBLAS)"}  # fmt: skip
+METHODS = {
+    "gluon_fp16x3": "fp16x3",
+    "triton_tf32x3": "tf32x3",
+    "triton_bf16x9": "bf16x9",
+    "cublas_tf32": "TF32, 1 pass (cuBLAS)",
+}
 """The GEMM methods of the table, in its order, and their names there."""
 
 
@@ -29,19 +33,34 @@ def measured(data: dict, runs: set[int] | None = None) -> str:
     """Where, with what and how the rows of ``runs`` were measured: device, versions, dates, commands."""
     chosen = [run for i, run in enumerate(data["runs"]) if runs is None or i in runs]
     env = chosen[0]["environment"]
-    versions = ", ".join(f"{name} {env[key]}" for name, key in
-                         (("torch", "torch"), ("Triton", "triton"), ("CUDA", "cuda"), ("cuBLAS", "cublas"), ("i-PI", "ipi"))
-                         if key in env)  # fmt: skip
+    versions = ", ".join(
+        f"{name} {env[key]}"
+        for name, key in (
+            ("torch", "torch"),
+            ("Triton", "triton"),
+            ("CUDA", "cuda"),
+            ("cuBLAS", "cublas"),
+            ("i-PI", "ipi"),
+        )
+        if key in env
+    )
     device = env.get("gpu") or env.get("cpu", "CPU")
     dates = sorted({run["date"] for run in chosen})
-    lines = [f"Measured on {device}" + (f" ({versions})" if versions else "") + f", {' to '.join(dict.fromkeys([dates[0], dates[-1]]))}:", ""]
+    lines = [
+        f"Measured on {device}"
+        + (f" ({versions})" if versions else "")
+        + f", {' to '.join(dict.fromkeys([dates[0], dates[-1]]))}:",
+        "",
+    ]
     lines += [f"    {run['command']}" for run in chosen]
     return "\n".join(lines)
 
 
 def table(head: list[str], rows: list[list[str]]) -> str:
     """A Markdown table."""
-    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows])
+    return "\n".join(
+        ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
+    )
 
 
 def shape(model: str) -> str:
@@ -56,7 +75,9 @@ def milliseconds(ms: float) -> str:
 
 def configuration(row: dict) -> str:
     """A row of md_step: precision, engine, compilation."""
-    engine = {"auto": "engine auto (CUDA graphs)", "lean": "lean engine", "metatomic": "metatomic engine"}[row["engine"]]
+    engine = {"auto": "engine auto (CUDA graphs)", "lean": "lean engine", "metatomic": "metatomic engine"}[
+        row["engine"]
+    ]
     name = {"fp32": "FP32", "tf32": "tf32 (1 pass, not FP32-accurate)"}.get(row["precision"], row["precision"])
     return f"{name}, {engine}" + (" + compile" if row["compiled"] else "")
 
@@ -64,7 +85,7 @@ def configuration(row: dict) -> str:
 def md_step() -> str:
     data = _results.read("md_step_h200")
     out = []
-    for (model, atoms) in dict.fromkeys((r["model"], r["atoms"]) for r in data["rows"]):
+    for model, atoms in dict.fromkeys((r["model"], r["atoms"]) for r in data["rows"]):
         group = [r for r in data["rows"] if (r["model"], r["atoms"]) == (model, atoms)]
         best = min(r["ms"] for r in group if r["precision"] == "fp32" and "ms" in r)
         for r in sorted(group, key=lambda r: r.get("ms", float("inf"))):
@@ -81,14 +102,18 @@ def gemm() -> str:
     data = _results.read("gemm_h200")
     rows = [r for r in data["rows"] if r["atoms"] == 17280]
     out = []
-    for (model, layer) in dict.fromkeys((r["model"], r["layer"]) for r in rows):
+    for model, layer in dict.fromkeys((r["model"], r["layer"]) for r in rows):
         by = {r["method"]: r for r in rows if (r["model"], r["layer"]) == (model, layer)}
         first = next(iter(by.values()))
         cells = []
         for method in METHODS:
             r = by.get(method)
-            cells.append(f"{r['fp32_fwd_ms'] / r['fwd_ms']:.2f} / {r['fp32_bwd_ms'] / r['bwd_ms']:.2f}x, "
-                         f"err {r['err_fwd'] / r['fp32_err_fwd']:.2g}x" if r else "")  # fmt: skip
+            cells.append(
+                f"{r['fp32_fwd_ms'] / r['fwd_ms']:.2f} / {r['fp32_bwd_ms'] / r['bwd_ms']:.2f}x, "
+                f"err {r['err_fwd'] / r['fp32_err_fwd']:.2g}x"
+                if r
+                else ""
+            )
         fp32 = by.get("gluon_fp16x3", first)["fp32_fwd_ms"]
         out.append([shape(model), layer, f"{first['M']}x{first['K']}x{first['N']}", f"{fp32:.2f}", *cells])
     head = ["model", "layer", "M x K x N", "FP32 ms", *METHODS.values()]
@@ -99,7 +124,7 @@ def gemm() -> str:
 def attention() -> str:
     data = _results.read("attention_h200")
     out = []
-    for (model, atoms) in dict.fromkeys((r["model"], r["atoms"]) for r in data["rows"]):
+    for model, atoms in dict.fromkeys((r["model"], r["atoms"]) for r in data["rows"]):
         rows = [r for r in data["rows"] if (r["model"], r["atoms"]) == (model, atoms)]
 
         def pick(kernel, what="fwd+bwd"):
@@ -109,35 +134,85 @@ def attention() -> str:
             return f"{pick(kernel, 'fwd')['ms']:.2f} / {pick(kernel)['ms']:.2f}"
 
         speedup = pick("sdpa")["ms"] / pick("tc_attention_packed")["ms"]
-        out.append([shape(model), f"{atoms:,}", cell("sdpa"), cell("tc_attention"), cell("tc_attention_packed"),
-                    f"**{speedup:.2f}x**", f"{pick('sdpa')['error']:.1e} / {pick('tc_attention_packed')['error']:.1e}"])  # fmt: skip
-    head = ["model", "atoms", "torch SDPA FP32, ms fwd / fwd+bwd", "ours, padded table", "ours, packed rows",
-            "fwd+bwd vs SDPA (packed)", "error vs FP64: SDPA / ours"]  # fmt: skip
+        out.append(
+            [
+                shape(model),
+                f"{atoms:,}",
+                cell("sdpa"),
+                cell("tc_attention"),
+                cell("tc_attention_packed"),
+                f"**{speedup:.2f}x**",
+                f"{pick('sdpa')['error']:.1e} / {pick('tc_attention_packed')['error']:.1e}",
+            ]
+        )
+    head = [
+        "model",
+        "atoms",
+        "torch SDPA FP32, ms fwd / fwd+bwd",
+        "ours, padded table",
+        "ours, packed rows",
+        "fwd+bwd vs SDPA (packed)",
+        "error vs FP64: SDPA / ours",
+    ]
     return table(head, out) + "\n\n" + measured(data)
 
 
-DEFAULTS = {"default": "default calculator", "fp32-default": "FP32's defaults (`precision=\"fp32\"`)",
-            "fp32-metatomic+compile": "FP32, metatomic + compile (the best FP32)",
-            "graphs+compile": "fp16x3, CUDA graphs + compile (the fastest)"}  # fmt: skip
+DEFAULTS = {
+    "default": "default calculator",
+    "fp32-default": 'FP32\'s defaults (`precision="fp32"`)',
+    "fp32-metatomic+compile": "FP32, metatomic + compile (the best FP32)",
+    "graphs+compile": "fp16x3, CUDA graphs + compile (the fastest)",
+}
 
 
 def defaults() -> str:
     data = _results.read("defaults_h200")
     out = []
     for r in sorted(data["rows"], key=lambda r: (r["atoms"], r["ms"])):
-        out.append([f"{shape(r['model'])}, {r['atoms']:,} atoms", DEFAULTS[r["config"]], r["precision"], f"{r['ms']:.1f}",
-                    f"{r['first_s_cold']:.1f}", f"{r['first_s_warm']:.1f}", data["runs"][r["run"]]["date"]])  # fmt: skip
-    head = ["system", "configuration", "precision", "ms per MD step", "first step, empty caches (s)",
-            "first step, second process (s)", "date"]  # fmt: skip
+        out.append(
+            [
+                f"{shape(r['model'])}, {r['atoms']:,} atoms",
+                DEFAULTS[r["config"]],
+                r["precision"],
+                f"{r['ms']:.1f}",
+                f"{r['first_s_cold']:.1f}",
+                f"{r['first_s_warm']:.1f}",
+                data["runs"][r["run"]]["date"],
+            ]
+        )
+    head = [
+        "system",
+        "configuration",
+        "precision",
+        "ms per MD step",
+        "first step, empty caches (s)",
+        "first step, second process (s)",
+        "date",
+    ]
     return table(head, out) + "\n\n" + measured(data)
 
 
 def batch() -> str:
     data = _results.read("batch_h200")
-    out = [[r["config"], f"{r['copies']} x {r['atoms']}", f"{r['batch_ms']:.1f}", f"{r['single_ms']:.2f}",
-            f"{r['throughput_vs_single']:.2f}x", f"{r['rebuild_ms']:.1f}"] for r in data["rows"]]  # fmt: skip
-    head = ["configuration", "structures x atoms", "one `evaluate` (ms)", "one structure per call (ms)",
-            "throughput vs one at a time", "pair-list rebuild of the batch (ms)"]  # fmt: skip
+    out = [
+        [
+            r["config"],
+            f"{r['copies']} x {r['atoms']}",
+            f"{r['batch_ms']:.1f}",
+            f"{r['single_ms']:.2f}",
+            f"{r['throughput_vs_single']:.2f}x",
+            f"{r['rebuild_ms']:.1f}",
+        ]
+        for r in data["rows"]
+    ]
+    head = [
+        "configuration",
+        "structures x atoms",
+        "one `evaluate` (ms)",
+        "one structure per call (ms)",
+        "throughput vs one at a time",
+        "pair-list rebuild of the batch (ms)",
+    ]
     return table(head, out) + "\n\n" + measured(data)
 
 
@@ -152,26 +227,58 @@ def ipi() -> str:
         else:
             what = f"{r['beads']} beads x {r['atoms']} atoms, {'fp16x3 (auto)' if r['precision'] == 'auto' else r['precision']}"
         rate = lambda k: f"{r[k]:,.0f}" if k in r else ""  # noqa: E731
-        out.append([what, str(r["batch_size"]), f"{r['ms_per_step']:.1f}", f"{r['ms_per_step_mean']:.1f}",
-                    rate("bead_steps_per_s") if r["engine"] != "dummy" else "", rate("atom_steps_per_s") if r["engine"] != "dummy" else ""])  # fmt: skip
+        out.append(
+            [
+                what,
+                str(r["batch_size"]),
+                f"{r['ms_per_step']:.1f}",
+                f"{r['ms_per_step_mean']:.1f}",
+                rate("bead_steps_per_s") if r["engine"] != "dummy" else "",
+                rate("atom_steps_per_s") if r["engine"] != "dummy" else "",
+            ]
+        )
     head = ["run", "batch_size", "median ms per step", "mean ms", "bead-steps/s", "atom-steps/s"]
     return table(head, out) + "\n\n" + measured(data)
 
 
 def memory() -> str:
     data = _results.read("memory_h200")
-    out = [[shape(r["model"]), r["precision"], f"{3 * r['largest_molecules']:,}", f"{3 * r['largest_molecules_low_memory']:,}",
-            f"{r['peak_GB']:.2f} / {r['peak_GB_low_memory']:.2f}"]
-           for r in sorted(data["rows"], key=lambda r: (r["model"][-1] == "m", ["fp32", "tf32x3", "fp16x3"].index(r["precision"])))]  # fmt: skip
-    head = ["model shape", "precision", "largest water box (atoms)", "with `low_memory=True`",
-            "peak GB at 192 atoms, default / low_memory"]  # fmt: skip
+    out = [
+        [
+            shape(r["model"]),
+            r["precision"],
+            f"{3 * r['largest_molecules']:,}",
+            f"{3 * r['largest_molecules_low_memory']:,}",
+            f"{r['peak_GB']:.2f} / {r['peak_GB_low_memory']:.2f}",
+        ]
+        for r in sorted(
+            data["rows"], key=lambda r: (r["model"][-1] == "m", ["fp32", "tf32x3", "fp16x3"].index(r["precision"]))
+        )
+    ]
+    head = [
+        "model shape",
+        "precision",
+        "largest water box (atoms)",
+        "with `low_memory=True`",
+        "peak GB at 192 atoms, default / low_memory",
+    ]
     return table(head, out) + "\n\n" + measured(data)
 
 
 def profile_step() -> str:
     data = _results.read("profile_step_h200")
-    out = [[shape(r["model"].replace(":", "-")), f"{r['atoms']:,}", r["precision"], r["engine"],
-            f"{r['wall_ms']:.1f}", f"{r['gpu_busy_ms']:.1f}", f"{r['kernels_per_step']:.0f}"] for r in data["rows"]]  # fmt: skip
+    out = [
+        [
+            shape(r["model"].replace(":", "-")),
+            f"{r['atoms']:,}",
+            r["precision"],
+            r["engine"],
+            f"{r['wall_ms']:.1f}",
+            f"{r['gpu_busy_ms']:.1f}",
+            f"{r['kernels_per_step']:.0f}",
+        ]
+        for r in data["rows"]
+    ]
     head = ["model shape", "atoms", "precision", "engine", "wall ms per step", "GPU busy ms", "kernels per step"]
     return table(head, out) + "\n\n" + measured(data)
 
@@ -181,20 +288,33 @@ def long_runs() -> str:
     s, w = soak["rows"][0], watchdog["rows"][0]
     first, last = s["records"][0], s["records"][-1]
     out = [
-        [f"`benchmarks/soak.py`: {s['model']}, {s['atoms']} atoms, {s['timestep_fs']} fs",
-         f"{s['steps']:,} steps at a median {s['median_ms']:.2f} ms; energy drift {s['drift_meV_per_atom_per_ps']:.4f} meV/atom/ps; "
-         f"{last['list_rebuilds']:,} pair-list rebuilds, {last['widenings']} widenings of the neighbor table, "
-         f"{last['graph_recordings']} CUDA-graph recordings; GPU memory {first['allocated_GB']:.2f} GB at step {first['step']:,}, "
-         f"{last['allocated_GB']:.2f} GB at step {last['step']:,} (it grows when the table widens)"],
-        [f"`benchmarks/watchdog_cost.py`: {shape(w['model'])}, {w['atoms']:,} atoms",
-         f"a checked step {w['ms_every_step_checked']:.1f} ms against {w['ms_unchecked']:.1f} ms; at the default "
-         f"(every {w['default_every']:,}th evaluation) {100 * w['cost_at_default']:.4f}% of the run"],
-    ]  # fmt: skip
+        [
+            f"`benchmarks/soak.py`: {s['model']}, {s['atoms']} atoms, {s['timestep_fs']} fs",
+            f"{s['steps']:,} steps at a median {s['median_ms']:.2f} ms; energy drift {s['drift_meV_per_atom_per_ps']:.4f} meV/atom/ps; "
+            f"{last['list_rebuilds']:,} pair-list rebuilds, {last['widenings']} widenings of the neighbor table, "
+            f"{last['graph_recordings']} CUDA-graph recordings; GPU memory {first['allocated_GB']:.2f} GB at step {first['step']:,}, "
+            f"{last['allocated_GB']:.2f} GB at step {last['step']:,} (it grows when the table widens)",
+        ],
+        [
+            f"`benchmarks/watchdog_cost.py`: {shape(w['model'])}, {w['atoms']:,} atoms",
+            f"a checked step {w['ms_every_step_checked']:.1f} ms against {w['ms_unchecked']:.1f} ms; at the default "
+            f"(every {w['default_every']:,}th evaluation) {100 * w['cost_at_default']:.4f}% of the run",
+        ],
+    ]
     return table(["run", "result"], out) + "\n\n" + measured(soak) + "\n\n" + measured(watchdog)
 
 
-TABLES = {"md_step": md_step, "gemm": gemm, "attention": attention, "defaults": defaults, "batch": batch,
-          "ipi": ipi, "memory": memory, "profile_step": profile_step, "long_runs": long_runs}  # fmt: skip
+TABLES = {
+    "md_step": md_step,
+    "gemm": gemm,
+    "attention": attention,
+    "defaults": defaults,
+    "batch": batch,
+    "ipi": ipi,
+    "memory": memory,
+    "profile_step": profile_step,
+    "long_runs": long_runs,
+}
 
 
 def render(text: str) -> str:

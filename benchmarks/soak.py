@@ -17,6 +17,7 @@ import argparse
 import json
 import time
 
+import _results
 import numpy as np
 import torch
 from ase.md.velocitydistribution import MaxwellBoltzmannDistribution, Stationary
@@ -25,8 +26,6 @@ from ase.units import fs
 
 from ase_tcfp32 import TCPETCalculator
 from ase_tcfp32.validation import water_box
-
-import _results
 
 
 def main() -> None:
@@ -61,30 +60,45 @@ def main() -> None:
         if lean and every and any(e % every == 0 for e in range(before, lean.evaluations)):
             checked.append(len(times) - 1)  # a watchdog step
         if dyn.nsteps % args.every == 0:
-            records.append({
-                "step": dyn.nsteps, "seconds": time.perf_counter() - start,
-                "e_total_eV": atoms.get_potential_energy() + atoms.get_kinetic_energy(),
-                "temperature_K": atoms.get_temperature(),
-                "allocated_GB": torch.cuda.memory_allocated() / 1e9 if cuda else None,
-                "reserved_GB": torch.cuda.memory_reserved() / 1e9 if cuda else None,
-                "list_rebuilds": lean.rebuilds if lean else None, "widenings": lean.widenings if lean else None,
-                "graph_recordings": lean.recordings if lean else None,
-            })  # fmt: skip
+            records.append(
+                {
+                    "step": dyn.nsteps,
+                    "seconds": time.perf_counter() - start,
+                    "e_total_eV": atoms.get_potential_energy() + atoms.get_kinetic_energy(),
+                    "temperature_K": atoms.get_temperature(),
+                    "allocated_GB": torch.cuda.memory_allocated() / 1e9 if cuda else None,
+                    "reserved_GB": torch.cuda.memory_reserved() / 1e9 if cuda else None,
+                    "list_rebuilds": lean.rebuilds if lean else None,
+                    "widenings": lean.widenings if lean else None,
+                    "graph_recordings": lean.recordings if lean else None,
+                }
+            )
             print(json.dumps(records[-1]), flush=True)
     ms = 1000 * np.array(times)
     median = float(np.median(ms))
     checked = ms[checked]
     energies = np.array([r["e_total_eV"] for r in records])
     result = {
-        "model": args.model, "calculator": repr(calc),
-        "atoms": len(atoms), "timestep_fs": 0.5, "steps": dyn.nsteps, "first_step_s": first_s,
-        "median_ms": median, "mean_ms": float(ms.mean()), "watchdog_every": calc.check_accuracy,
+        "model": args.model,
+        "calculator": repr(calc),
+        "atoms": len(atoms),
+        "timestep_fs": 0.5,
+        "steps": dyn.nsteps,
+        "first_step_s": first_s,
+        "median_ms": median,
+        "mean_ms": float(ms.mean()),
+        "watchdog_every": calc.check_accuracy,
         "watchdog_step_ms": float(np.median(checked)) if len(checked) else None,
-        "watchdog_cost_fraction": (float(np.median(checked)) - median) / (median * calc.check_accuracy) if len(checked) else None,
-        "drift_meV_per_atom_per_ps": float(np.polyfit([r["step"] * 0.5e-3 for r in records], energies, 1)[0]
-                                           / len(atoms) * 1000) if len(records) > 2 else None,
+        "watchdog_cost_fraction": (float(np.median(checked)) - median) / (median * calc.check_accuracy)
+        if len(checked)
+        else None,
+        "drift_meV_per_atom_per_ps": float(
+            np.polyfit([r["step"] * 0.5e-3 for r in records], energies, 1)[0] / len(atoms) * 1000
+        )
+        if len(records) > 2
+        else None,
         "records": records,
-    }  # fmt: skip
+    }
     summary = {k: v for k, v in result.items() if k != "records"}
     print(json.dumps(summary, indent=1))
     _results.write("soak", [result], ("model", "atoms"), env=_results.environment(str(calc.device)), out=args.out)

@@ -1,6 +1,6 @@
 """Throughput of the tensor-core model on CPU (target: 512x256x256 tf32 under 0.3 s).
 
-    python benchmarks/tcmodel.py
+python benchmarks/tcmodel.py
 """
 
 import os

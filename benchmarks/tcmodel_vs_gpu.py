@@ -11,14 +11,13 @@ the share of bit-identical outputs and the largest difference in units of the la
 import argparse
 import json
 
+import _results
 import numpy as np
 import torch
 
 from ase_tcfp32._kernels.triton_gemm import TritonBackend, launch
 from ase_tcfp32.precision import support
 from ase_tcfp32.tcmodel import emulated_matmul
-
-import _results
 
 
 def run_kernel(x: np.ndarray, w: np.ndarray, precision: str) -> np.ndarray:
@@ -34,7 +33,9 @@ def run_kernel(x: np.ndarray, w: np.ndarray, precision: str) -> np.ndarray:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu-model", default="H100")
-    parser.add_argument("--out", default=None, help="results file (default: benchmarks/results/tcmodel_vs_gpu_<gpu>.json)")
+    parser.add_argument(
+        "--out", default=None, help="results file (default: benchmarks/results/tcmodel_vs_gpu_<gpu>.json)"
+    )
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows = []
@@ -48,7 +49,13 @@ def main() -> None:
                 predicted = emulated_matmul(x, w, precision, model)
                 same = float(np.mean(predicted.view(np.uint32) == gpu.view(np.uint32)))
                 ulp = int(np.abs(predicted.view(np.int32).astype(np.int64) - gpu.view(np.int32).astype(np.int64)).max())
-                row = {"shape": f"{m}x{k}x{n}", "precision": precision, "model": model, "identical": same, "max_ulp": ulp}
+                row = {
+                    "shape": f"{m}x{k}x{n}",
+                    "precision": precision,
+                    "model": model,
+                    "identical": same,
+                    "max_ulp": ulp,
+                }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     _results.write("tcmodel_vs_gpu", rows, ("shape", "precision", "model"), out=args.out)

@@ -15,16 +15,15 @@ import argparse
 import json
 import warnings
 
+import _results
 import numpy as np
+from _timing import md_step_times
 from ase.md.verlet import VelocityVerlet
 from ase.units import fs
 
 from ase_tcfp32 import PrecisionWarning, TCPETCalculator, watchdog
 from ase_tcfp32.testing import random_checkpoint
 from ase_tcfp32.validation import water_box
-from _timing import md_step_times
-
-import _results
 
 
 def steps_ms(model: str, atoms, every: int, steps: int) -> tuple[float, int]:
@@ -43,14 +42,22 @@ def main() -> None:
     parser.add_argument("--model", default="s")
     parser.add_argument("--molecules", type=int, default=5760)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--out", default=None, help="results file (default: benchmarks/results/watchdog_cost_<gpu>.json)")
+    parser.add_argument(
+        "--out", default=None, help="results file (default: benchmarks/results/watchdog_cost_<gpu>.json)"
+    )
     args = parser.parse_args()
     model, atoms = str(random_checkpoint(args.model)), water_box(args.molecules, seed=0)
     off, _ = steps_ms(model, atoms, 0, args.steps)
     every, warned = steps_ms(model, atoms, 1, args.steps)
-    row = {"model": f"random-{args.model}", "atoms": len(atoms), "ms_unchecked": off, "ms_every_step_checked": every,
-           "precision_warnings": warned, "default_every": watchdog.CALCULATOR_EVERY,
-           "cost_at_default": (every - off) / off / watchdog.CALCULATOR_EVERY}  # fmt: skip
+    row = {
+        "model": f"random-{args.model}",
+        "atoms": len(atoms),
+        "ms_unchecked": off,
+        "ms_every_step_checked": every,
+        "precision_warnings": warned,
+        "default_every": watchdog.CALCULATOR_EVERY,
+        "cost_at_default": (every - off) / off / watchdog.CALCULATOR_EVERY,
+    }
     print(json.dumps(row, indent=1))
     _results.write("watchdog_cost", [row], ("model", "atoms"), out=args.out)
 

@@ -18,7 +18,9 @@ from ase_tcfp32 import TCPETCalculator
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="pet-demo-chgnet", help="uPET name or checkpoint path (default: the bundled demo PET)")
+    parser.add_argument(
+        "--model", default="pet-demo-chgnet", help="uPET name or checkpoint path (default: the bundled demo PET)"
+    )
     parser.add_argument("--structure", help="any file ase.io.read understands (3D periodic)")
     parser.add_argument("--precision", default="auto")
     parser.add_argument("--device", default=None)

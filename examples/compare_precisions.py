@@ -20,7 +20,9 @@ from ase_tcfp32.validation import water_box
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="pet-demo-chgnet", help="uPET name or checkpoint path (default: the bundled demo PET)")
+    parser.add_argument(
+        "--model", default="pet-demo-chgnet", help="uPET name or checkpoint path (default: the bundled demo PET)"
+    )
     parser.add_argument("--structure", help="any file ase.io.read understands (default: 192-atom water box)")
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
@@ -47,13 +49,17 @@ def main() -> None:
 
     e32, f32 = results["fp32"][0], results["fp32"][1]
     print(f"{len(atoms)} atoms ({atoms.get_chemical_formula()}), device {device}")
-    print(f"{'precision':9} {'backend':14} {'E (eV)':>16} {'dE/atom vs fp32':>16} {'dE/atom vs fp64':>16} "
-          f"{'max dF vs fp32':>15} {'max dF vs fp64':>15} {'time (s)':>9}")  # fmt: skip
+    print(
+        f"{'precision':9} {'backend':14} {'E (eV)':>16} {'dE/atom vs fp32':>16} {'dE/atom vs fp64':>16} "
+        f"{'max dF vs fp32':>15} {'max dF vs fp64':>15} {'time (s)':>9}"
+    )
     for name in PRECISIONS:
         if name in results:
             e, f, t, backend = results[name]
-            print(f"{name:9} {backend:14} {e:16.6f} {abs(e - e32) / len(atoms):16.2e} {abs(e - e64) / len(atoms):16.2e} "
-                  f"{np.abs(f - f32).max():15.2e} {np.abs(f - f64).max():15.2e} {t:9.3f}")  # fmt: skip
+            print(
+                f"{name:9} {backend:14} {e:16.6f} {abs(e - e32) / len(atoms):16.2e} {abs(e - e64) / len(atoms):16.2e} "
+                f"{np.abs(f - f32).max():15.2e} {np.abs(f - f64).max():15.2e} {t:9.3f}"
+            )
     print("(first calls include start-up; see `ase-tcfp32 validate speed` for timings)")
 
 

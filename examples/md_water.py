@@ -27,7 +27,9 @@ from ase_tcfp32.validation import water_box
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="pet-demo-chgnet", help="uPET name or checkpoint path (default: the bundled demo PET)")
+    parser.add_argument(
+        "--model", default="pet-demo-chgnet", help="uPET name or checkpoint path (default: the bundled demo PET)"
+    )
     parser.add_argument("--precision", default="auto", help="auto, fp32, tf32, tf32x3, fp16x3, bf16x9")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if present)")
     parser.add_argument("--nvt", type=int, default=20, help="Langevin steps at 300 K")
@@ -40,7 +42,9 @@ def main() -> None:
     model = args.model
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
-        calc = TCPETCalculator(model, precision=args.precision, device=args.device, engine=args.engine, compile=args.compile)
+        calc = TCPETCalculator(
+            model, precision=args.precision, device=args.device, engine=args.engine, compile=args.compile
+        )
     for warning in caught:
         print(f"note: {warning.message}")
     print(calc)
@@ -63,7 +67,9 @@ def main() -> None:
 
         def report(dyn=dyn, phase=phase):
             e_pot, e_kin = atoms.get_potential_energy(), atoms.get_kinetic_energy()
-            print(f"{phase:>5} {dyn.nsteps:6d} {e_pot:14.6f} {e_kin:12.6f} {e_pot + e_kin:14.6f} {atoms.get_temperature():8.1f}")
+            print(
+                f"{phase:>5} {dyn.nsteps:6d} {e_pot:14.6f} {e_kin:12.6f} {e_pot + e_kin:14.6f} {atoms.get_temperature():8.1f}"
+            )
 
         dyn.attach(report, interval=max(1, steps // 5))
         dyn.attach(trajectory.write, interval=5)

@@ -19,7 +19,9 @@ from ase_tcfp32.validation import water_box
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="pet-demo-chgnet", help="model name or checkpoint path (default: the bundled demo PET)")
+    parser.add_argument(
+        "--model", default="pet-demo-chgnet", help="model name or checkpoint path (default: the bundled demo PET)"
+    )
     args = parser.parse_args()
     model = args.model
 
@@ -29,7 +31,11 @@ def main() -> None:
 
     print(f"{'arithmetic':24} {'|E - E_fp64| (eV/atom)':>24} {'max |F - F_fp64| (eV/Å)':>25}")
     runs = [("fp32 (CPU)", dict(precision="fp32"))]
-    runs += [(f"{p} on {gpu}", dict(precision=p, emulate=gpu)) for p in ("tf32", "tf32x3", "bf16x9") for gpu in ("A100", "H100", "B200")]
+    runs += [
+        (f"{p} on {gpu}", dict(precision=p, emulate=gpu))
+        for p in ("tf32", "tf32x3", "bf16x9")
+        for gpu in ("A100", "H100", "B200")
+    ]
     for label, kwargs in runs:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

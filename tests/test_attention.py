@@ -12,7 +12,9 @@ pytest.importorskip("triton")
 
 
 def test_only_fp32_accurate_precisions_on_cuda_use_tensor_core_attention():
-    assert on_tensor_cores("fp16x3", "cuda") and on_tensor_cores("tf32x3", "cuda:1") and on_tensor_cores("bf16x9", "cuda")
+    assert (
+        on_tensor_cores("fp16x3", "cuda") and on_tensor_cores("tf32x3", "cuda:1") and on_tensor_cores("bf16x9", "cuda")
+    )
     assert not on_tensor_cores("fp32", "cuda") and not on_tensor_cores("tf32", "cuda")
     assert not on_tensor_cores("tf32x3", "cpu")
 

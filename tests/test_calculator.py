@@ -251,10 +251,12 @@ def test_import_and_default_calculator_print_nothing(tmp_path):
     import subprocess
     import sys
 
-    code = ("import warnings; warnings.simplefilter('default')\n"
-            "import ase_tcfp32\n"
-            "c = ase_tcfp32.TCPETCalculator('pet-demo-chgnet', device='cpu', precision='fp32', engine='metatomic')\n"
-            "c = ase_tcfp32.TCPETCalculator('pet-demo-chgnet', device='cpu', precision='fp32')\n")  # fmt: skip
+    code = (
+        "import warnings; warnings.simplefilter('default')\n"
+        "import ase_tcfp32\n"
+        "c = ase_tcfp32.TCPETCalculator('pet-demo-chgnet', device='cpu', precision='fp32', engine='metatomic')\n"
+        "c = ase_tcfp32.TCPETCalculator('pet-demo-chgnet', device='cpu', precision='fp32')\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "" and done.stderr == "", (done.stdout, done.stderr)
@@ -327,5 +329,8 @@ def test_auto_gives_a_cpu_the_small_skin_and_explicit_skins_win(tiny_ckpt):
 
     assert TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu")._engine.skins == (LARGE_SKIN, LARGE_SKIN)
     assert TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", neighbor_skin=1.5)._engine.skins == (1.5, 1.5)
-    assert TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine="lean")._engine.skins == (SMALL_SKIN, SMALL_SKIN)
+    assert TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine="lean")._engine.skins == (
+        SMALL_SKIN,
+        SMALL_SKIN,
+    )
     assert f"skin {LARGE_SKIN} Å" in repr(TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu"))

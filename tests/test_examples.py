@@ -9,7 +9,10 @@ import pytest
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
 RUNS = {
-    "md_water.py": (["--nvt", "3", "--nve", "3", "--traj", "w.traj", "--device", "cpu", "--engine", "lean"], "trajectory: w.traj"),
+    "md_water.py": (
+        ["--nvt", "3", "--nve", "3", "--traj", "w.traj", "--device", "cpu", "--engine", "lean"],
+        "trajectory: w.traj",
+    ),
     "relax_adsorbate.py": (["--steps", "3", "--device", "cpu"], "converged:"),
     "cell_relax.py": (["--steps", "3", "--device", "cpu"], "cell lengths"),
     "compare_precisions.py": (["--device", "cpu"], "tf32x3"),

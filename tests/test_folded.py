@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from ase_tcfp32._folded import folded, swap_cartesian_transformers
-from ase_tcfp32.layers import TCLinear, swap_linear_layers
 from ase_tcfp32._engines import PROPERTIES
+from ase_tcfp32._folded import folded, swap_cartesian_transformers
 from ase_tcfp32._lean import LeanPET
+from ase_tcfp32.layers import TCLinear, swap_linear_layers
 from ase_tcfp32.models import load_pet
 
 

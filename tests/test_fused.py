@@ -120,4 +120,7 @@ def test_combine_messages_on_cpu_tensors_is_metatrains_expression():
     g = torch.Generator().manual_seed(0)
     o, reverse = torch.randn(3, 4, 6, generator=g), torch.tensor([[1, 0, 2, 3], [4, 5, 6, 7], [8, 9, 11, 10]])
     norm = torch.nn.LayerNorm(12)
-    assert torch.equal(combine_messages(o, reverse, norm), norm(torch.cat([o, o.reshape(12, 6)[reverse.reshape(-1)].reshape(o.shape)], -1)))
+    assert torch.equal(
+        combine_messages(o, reverse, norm),
+        norm(torch.cat([o, o.reshape(12, 6)[reverse.reshape(-1)].reshape(o.shape)], -1)),
+    )

@@ -37,7 +37,10 @@ def run(backend, x, w, b=None):
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("shape", [(0, 64, 32), (1, 16, 4), (1003, 17, 33), (4099, 128, 384), (777, 1024, 257), (300, 2048, 2048), (5000, 256, 768)])
+@pytest.mark.parametrize(
+    "shape",
+    [(0, 64, 32), (1, 16, 4), (1003, 17, 33), (4099, 128, 384), (777, 1024, 257), (300, 2048, 2048), (5000, 256, 768)],
+)
 def test_triton_matches_reference_and_fp64(triton_backends, precision, shape):
     m, k, n = shape
     g = torch.Generator(device="cuda").manual_seed(m + k + n)
@@ -268,8 +271,9 @@ def test_low_memory_lowers_the_peak_and_keeps_the_forces():
     results = {}
     for low_memory in (False, True):
         atoms = water_box(1024, seed=0)
-        atoms.calc = TCPETCalculator(random_checkpoint("s"), precision="tf32x3", device="cuda", low_memory=low_memory,
-                                     engine="metatomic")  # the same engine both ways (auto records graphs without low_memory)
+        atoms.calc = TCPETCalculator(
+            random_checkpoint("s"), precision="tf32x3", device="cuda", low_memory=low_memory, engine="metatomic"
+        )  # the same engine both ways (auto records graphs without low_memory)
         atoms.get_potential_energy()
         atoms.calc.reset()
         torch.cuda.synchronize()
@@ -390,7 +394,9 @@ def fp16x3():
 
 
 @pytest.mark.parametrize("data", ["normal", "wide"])
-@pytest.mark.parametrize("shape", [(1003, 17, 33), (4099, 128, 384), (5000, 256, 768), (20_000, 33, 130), (70_000, 512, 256)])
+@pytest.mark.parametrize(
+    "shape", [(1003, 17, 33), (4099, 128, 384), (5000, 256, 768), (20_000, 33, 130), (70_000, 512, 256)]
+)
 @pytest.mark.parametrize("config", FP16X3_CONFIGS)
 def test_fp16x3_kernel_matches_fp64(fp16x3, config, shape, data):
     """Ragged shapes (TMA zero-fill, masked stores), forward with bias and backward.
@@ -412,7 +418,10 @@ def test_fp16x3_kernel_matches_fp64(fp16x3, config, shape, data):
     exact, exact_dx = x.double() @ w.double().T + b.double(), gy.double() @ w.double()
     y = fp16x3.launch(x, fp16x3.split_weight(w), b, config)
     dx = fp16x3.launch(gy, fp16x3.split_weight(w.T.contiguous()), None, config)
-    for err, fp32, depth in [(rel_error(y, exact), rel_error(x @ w.T + b, exact), k), (rel_error(dx, exact_dx), rel_error(gy @ w, exact_dx), n)]:
+    for err, fp32, depth in [
+        (rel_error(y, exact), rel_error(x @ w.T + b, exact), k),
+        (rel_error(dx, exact_dx), rel_error(gy @ w, exact_dx), n),
+    ]:
         assert_fp32_level(err, fp32, depth, 1.0 if data == "normal" else 1.25)
 
 
@@ -420,7 +429,9 @@ def test_fp16x3_kernel_matches_the_reference_emulation(fp16x3):
     """The kernel and the torch emulation of :mod:`reference` compute the same split
     and products; they differ by the tensor cores' truncated sums only."""
     g = torch.Generator(device="cuda").manual_seed(5)
-    x = torch.randn(9000, 256, device="cuda", generator=g) * 10.0 ** torch.randint(-10, 10, (9000, 1), device="cuda", generator=g)
+    x = torch.randn(9000, 256, device="cuda", generator=g) * 10.0 ** torch.randint(
+        -10, 10, (9000, 1), device="cuda", generator=g
+    )
     w = torch.randn(384, 256, device="cuda", generator=g)
     reference = ReferenceBackend("fp16x3")
     y_ref = reference.forward(x, reference.prepare(w), None)
@@ -520,8 +531,9 @@ def test_first_backward_in_a_fresh_process_with_empty_caches(tmp_path, precision
         pytest.skip("fp16x3 needs Hopper")
     env = dict(os.environ, ASE_TCFP32_CACHE=str(tmp_path / "cache"), TRITON_CACHE_DIR=str(tmp_path / "triton"))
     env.pop("ASE_TCFP32_AUTOTUNE", None)
-    done = subprocess.run([sys.executable, "-c", FIRST_BACKWARD, precision], env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_BACKWARD, precision], env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "cache" / "autotune.json").exists()  # it did tune
 
@@ -616,9 +628,8 @@ def test_watchdog_flags_the_fp16x3_outlier_on_the_gpu(precision):
 def test_watchdog_is_quiet_on_pet_in_every_engine(engine, water192):
     import warnings
 
-    from ase_tcfp32._folded import folded
-
     from ase_tcfp32 import PrecisionWarning
+    from ase_tcfp32._folded import folded
     from ase_tcfp32.testing import random_checkpoint
 
     atoms = water192.repeat((2, 2, 1))  # 768 atoms: our kernels, not cuBLAS
@@ -638,8 +649,9 @@ def test_watchdog_is_quiet_on_pet_in_every_engine(engine, water192):
 def test_a_batch_of_32_copies_gives_what_32_single_calls_give(water192):
     """32 beads of the 192-atom box in one call (6,144 atoms: our kernels, not cuBLAS), in
     the default precision: per structure the energies, forces and stresses of single calls."""
-    from ase_tcfp32.testing import random_checkpoint
     from helpers import beads_of
+
+    from ase_tcfp32.testing import random_checkpoint
 
     beads = beads_of(water192, 32)
     model = random_checkpoint("xs", seed=3)
@@ -670,7 +682,9 @@ def test_the_gpus_pair_list_of_a_batch_is_vesins(water192, pt_bulk):
         positions = torch.tensor(batch.positions, dtype=torch.float64, device=device)
         pairs = build_pairs(positions, batch.cells, batch.pbcs, batch.sizes, 10.0, 0)
         structure = pairs.bins // VIRIAL_BINS
-        key = torch.cat([pairs.centers[:, None], pairs.neighbors[:, None], pairs.shifts, structure[:, None]], 1)[: pairs.count]
+        key = torch.cat([pairs.centers[:, None], pairs.neighbors[:, None], pairs.shifts, structure[:, None]], 1)[
+            : pairs.count
+        ]
         order = torch.from_numpy(np.lexsort(key.cpu().numpy().T[::-1]))
         lists.append([key.cpu()[order], pairs.offsets.cpu()[: pairs.count][order], pairs.first.cpu()])
     assert torch.equal(lists[0][0], lists[1][0]) and torch.equal(lists[0][2], lists[1][2])
@@ -778,10 +792,16 @@ def test_packed_attention_is_as_accurate_as_torch_fp32(head_dim):
     bias = torch.log(torch.clamp(torch.rand(total + 100, device="cuda", generator=g) ** 2, 1e-15))
     bias[first[5] : first[5] + counts[5]] = float("-inf")
     sequences = Sequences(first, counts, torch.tensor(total, device="cuda"), 42)
-    grads = torch.randn(total + 100, width // 3, device="cuda", generator=g), torch.randn(atoms, width // 3, device="cuda", generator=g)
+    grads = (
+        torch.randn(total + 100, width // 3, device="cuda", generator=g),
+        torch.randn(atoms, width // 3, device="cuda", generator=g),
+    )
     results = {}
-    for name, attend, dtype in (("ours", tc_attention_packed, torch.float32), ("torch", packed_attention_in_torch, torch.float32),
-                                ("exact", packed_attention_in_torch, torch.float64)):  # fmt: skip
+    for name, attend, dtype in (
+        ("ours", tc_attention_packed, torch.float32),
+        ("torch", packed_attention_in_torch, torch.float32),
+        ("exact", packed_attention_in_torch, torch.float64),
+    ):
         inputs = [t.detach().to(dtype).clone().requires_grad_() for t in (qkv, node_qkv, bias)]
         outputs = attend(*inputs, sequences, 8, head_dim**-0.5)
         torch.autograd.backward(outputs, [t.to(dtype) for t in grads])
@@ -792,7 +812,9 @@ def test_packed_attention_is_as_accurate_as_torch_fp32(head_dim):
         assert rel_error(results["ours"][k][:rows], exact) <= rel_error(results["torch"][k][:rows], exact) + 2 * ulp, k
     out, node_out = results["ours"][:2]
     values = node_qkv[5, 2 * 8 * head_dim :]
-    assert torch.equal(node_out[5], values) and torch.equal(out[first[5] : first[5] + counts[5]], values.expand(int(counts[5]), -1))
+    assert torch.equal(node_out[5], values) and torch.equal(
+        out[first[5] : first[5] + counts[5]], values.expand(int(counts[5]), -1)
+    )
     assert not out[total:].any() and not results["ours"][2][total:].any() and not results["ours"][4][total:].any()
 
 
@@ -818,8 +840,11 @@ def test_attention_blocks_on_the_gpu_pair_and_fill_as_python_does():
             for x in sorted((x for x in ordered if x > block // 2), reverse=True):
                 most += most < len(short) and short[most] + x <= block
             pairs = 0
-            while (2 * pairs + 1 < len(ordered) and ordered[2 * pairs] <= block // 2 < ordered[2 * pairs + 1]
-                   and ordered[2 * pairs] + ordered[2 * pairs + 1] <= block):  # fmt: skip
+            while (
+                2 * pairs + 1 < len(ordered)
+                and ordered[2 * pairs] <= block // 2 < ordered[2 * pairs + 1]
+                and ordered[2 * pairs] + ordered[2 * pairs + 1] <= block
+            ):
                 pairs += 1
             assert pairs == most
             fitted = [[first, 0]]
@@ -842,7 +867,9 @@ def test_tensor_core_attention_in_pet_matches_sdpa_in_every_engine(tiny_ckpt, wa
     reference = water192.copy()
     reference.calc = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", engine="metatomic")
     assert swap_attention_blocks(reference.calc.pet, False) and swap_feed_forwards(reference.calc.pet, False)
-    assert swap_backends(reference.calc.pet, False) == ["backend"] and swap_cartesian_transformers(reference.calc.pet, False)
+    assert swap_backends(reference.calc.pet, False) == ["backend"] and swap_cartesian_transformers(
+        reference.calc.pet, False
+    )
     e0, f0, s0 = reference.get_potential_energy(), reference.get_forces(), reference.get_stress()
     for engine, compile in [("metatomic", False), ("lean", False), ("graphs", False), ("lean", True)]:
         atoms = water192.copy()
@@ -883,7 +910,9 @@ def test_fused_swiglu_matches_fp64():
         v, gate = plain.chunk(2, dim=-1)
         expected = v * torch.sigmoid(gate)
         expected.backward(grad)
-        assert torch.equal(torch.isnan(h), torch.isnan(expected)) and torch.equal(torch.isnan(ours.grad), torch.isnan(plain.grad))
+        assert torch.equal(torch.isnan(h), torch.isnan(expected)) and torch.equal(
+            torch.isnan(ours.grad), torch.isnan(plain.grad)
+        )
         _assert_swiglu_errors_within_8_units(y, grad, h, ours.grad)
 
 

@@ -45,8 +45,9 @@ class Processes:
     def start(self, args, folder, name):
         log = open(folder / f"{name}.log", "w")
         env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
-        process = subprocess.Popen(args, cwd=folder, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                   start_new_session=True)  # fmt: skip
+        process = subprocess.Popen(
+            args, cwd=folder, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         self.started.append(process)
         return process
 
@@ -65,8 +66,15 @@ def processes():
 
 
 def server(processes, folder, steps, batch=4, consolidate=True):
-    xml = pimd_input(f"{folder}/water.xyz", beads=4, steps=steps, batch_size=batch, sockets=f"{folder}/",
-                     prefix=f"{folder}/sim", consolidate=consolidate)  # fmt: skip
+    xml = pimd_input(
+        f"{folder}/water.xyz",
+        beads=4,
+        steps=steps,
+        batch_size=batch,
+        sockets=f"{folder}/",
+        prefix=f"{folder}/sim",
+        consolidate=consolidate,
+    )
     (folder / "input.xml").write_text(xml)
     process = processes.start([str(BIN / "i-pi"), "input.xml"], folder, "server")
     deadline = time.time() + 60
@@ -78,17 +86,45 @@ def server(processes, folder, steps, batch=4, consolidate=True):
 
 def driver(processes, folder, name, template="water.xyz", **options):
     options = {"template": str(folder / template), "model": MODEL, "precision": "fp32", "device": "cpu", **options}
-    args = [sys.executable, str(BIN / "i-pi-py_driver"), "-m", "custom", "-P", str(Path(ase_tcfp32_ipi())),
-            "-u", "-a", "pet", "-S", f"{folder}/", "-o", ",".join(f"{k}={v}" for k, v in options.items())]  # fmt: skip
+    args = [
+        sys.executable,
+        str(BIN / "i-pi-py_driver"),
+        "-m",
+        "custom",
+        "-P",
+        str(Path(ase_tcfp32_ipi())),
+        "-u",
+        "-a",
+        "pet",
+        "-S",
+        f"{folder}/",
+        "-o",
+        ",".join(f"{k}={v}" for k, v in options.items()),
+    ]
     return processes.start(args, folder, name)
 
 
 def cli_driver(processes, folder, name, *options):
     """``ase-tcfp32 ipi-driver`` for the server at ``folder/pet`` (the bundled model, fp32 on
     CPU), with ``options`` after the defaults."""
-    command = [str(BIN / "ase-tcfp32"), "ipi-driver", "--unix", "--address", "pet", "--sockets-prefix", f"{folder}/",
-               "--template", str(folder / "water.xyz"), "--model", MODEL, "--precision", "fp32", "--device", "cpu",
-               *options]  # fmt: skip
+    command = [
+        str(BIN / "ase-tcfp32"),
+        "ipi-driver",
+        "--unix",
+        "--address",
+        "pet",
+        "--sockets-prefix",
+        f"{folder}/",
+        "--template",
+        str(folder / "water.xyz"),
+        "--model",
+        MODEL,
+        "--precision",
+        "fp32",
+        "--device",
+        "cpu",
+        *options,
+    ]
     return processes.start(command, folder, name)
 
 
@@ -104,7 +140,11 @@ def wait_until(ready, process, log: Path, seconds: float = 120) -> None:
 def steps_written(folder: Path) -> int:
     """Rows of i-PI's ``sim.out`` so far (its ``#`` header lines not counted)."""
     out = folder / "sim.out"
-    return sum(1 for line in out.read_text().splitlines() if line.strip() and not line.startswith("#")) if out.exists() else 0
+    return (
+        sum(1 for line in out.read_text().splitlines() if line.strip() and not line.startswith("#"))
+        if out.exists()
+        else 0
+    )
 
 
 def ase_tcfp32_ipi() -> str:
@@ -155,8 +195,10 @@ def test_pimd_served_by_two_drivers_matches_direct_evaluation(run_folder, proces
     served = 0
     for name, process in zip(("driver-a", "driver-b"), drivers):  # each says at exit what it served
         assert process.wait(timeout=30) == 0
-        found = re.search(r"tcpet driver: (\d+) requests, (\d+) of them ending in repeated structures",
-                          (run_folder / f"{name}.log").read_text())  # fmt: skip
+        found = re.search(
+            r"tcpet driver: (\d+) requests, (\d+) of them ending in repeated structures",
+            (run_folder / f"{name}.log").read_text(),
+        )
         served += int(found[1]) if found else 0
     assert served >= steps + 1  # at least a request per step, some steps split between the drivers
     calc = TCPETCalculator(MODEL, precision="fp32", device="cpu")
@@ -305,7 +347,10 @@ def test_the_command_line_driver_serves_a_run(run_folder, processes):
     assert f"no i-PI server listening at {run_folder}/pet after 0.5 s" in (run_folder / "cli-late.log").read_text()
     broken = cli_driver(processes, run_folder, "cli-broken", "--template", str(run_folder / "missing.xyz"))
     assert wait(broken, run_folder, 120) != 0
-    assert "ase-tcfp32 ipi-driver: the tcpet driver could not read template=" in (run_folder / "cli-broken.log").read_text()
+    assert (
+        "ase-tcfp32 ipi-driver: the tcpet driver could not read template="
+        in (run_folder / "cli-broken.log").read_text()
+    )
     negative = cli_driver(processes, run_folder, "cli-negative", "--wait", "-1")
     assert wait(negative, run_folder, 60) != 0
     assert "--wait is a number of seconds, 0 or more, not -1.0" in (run_folder / "cli-negative.log").read_text()

@@ -3,6 +3,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from helpers import fp32_in_order
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -10,7 +11,6 @@ from torch import nn
 from ase_tcfp32 import EmulationWarning, TCLinear, TCPETCalculator, restore_linear_layers, swap_linear_layers, tc_linear
 from ase_tcfp32.layers import MIN_EMULATED_K
 from ase_tcfp32.models import load_pet
-from helpers import fp32_in_order
 
 EMULATED = ["tf32x3", "fp16x3", "bf16x9"]
 UNIT = 2.0**-24

@@ -6,12 +6,12 @@ import torch
 from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
 from ase.md.verlet import VelocityVerlet
 from ase.units import fs
+from helpers import beads_of
 
 from ase_tcfp32 import TCPETCalculator
 from ase_tcfp32._lean import MARGIN, LeanPET
 from ase_tcfp32._neighbors import pair_vectors
 from ase_tcfp32.models import load_pet
-from helpers import beads_of
 
 
 def _agree(atoms, model, *, skin=2.0, precision="fp32", stress=True):
@@ -213,7 +213,9 @@ def test_pair_terms_backward_sums_each_atoms_pairs_and_their_reverses(water, pt_
     (ours,) = torch.autograd.grad((pair_vectors(positions, pairs) * weights).sum(), positions)
     plain = positions.index_select(0, pairs.neighbors) - positions.index_select(0, pairs.centers) + pairs.offsets
     (expected,) = torch.autograd.grad((plain * weights).sum(), positions)
-    assert pairs.count < pairs.valid.numel() and torch.equal(ours[len(water) + len(pt_bulk)], torch.zeros(3, dtype=torch.float64))
+    assert pairs.count < pairs.valid.numel() and torch.equal(
+        ours[len(water) + len(pt_bulk)], torch.zeros(3, dtype=torch.float64)
+    )
     assert torch.allclose(ours, expected, rtol=0, atol=1e-12 * float(expected.abs().max()))
     assert not torch.equal(ours, torch.zeros_like(ours))
 
@@ -243,12 +245,16 @@ def test_all_pairs_of_small_cells_are_vesins(water, pt_bulk):
     for atoms, cutoff, reach in [(unwrapped, 10.0, [2, 2, 2]), (triclinic, 8.5, [2, 2, 2]), (pt_bulk, 10.0, [3, 3, 3])]:
         rattled = atoms.copy()
         rattled.rattle(0.2, seed=2)
-        positions, cells = torch.tensor(np.stack([atoms.positions, rattled.positions])), np.stack([atoms.cell.array] * 2)
+        positions, cells = (
+            torch.tensor(np.stack([atoms.positions, rattled.positions])),
+            np.stack([atoms.cell.array] * 2),
+        )
         assert images_needed(cells[0], cutoff) == reach
         b, i, j, s = all_pairs(positions, cells, cutoff, reach)
         for k in range(2):
             ours = (i[b == k], j[b == k], s[b == k])
-            theirs = NeighborList(cutoff=cutoff, full_list=True).compute(points=positions[k], box=cells[k], periodic=True,
-                                                                         quantities="ijS", copy=True)  # fmt: skip
+            theirs = NeighborList(cutoff=cutoff, full_list=True).compute(
+                points=positions[k], box=cells[k], periodic=True, quantities="ijS", copy=True
+            )
             listed = [sorted(zip(i.tolist(), j.tolist(), map(tuple, s.tolist()))) for i, j, s in (ours, theirs)]
             assert listed[0] == listed[1] and len(listed[0]) > len(atoms)

@@ -46,7 +46,9 @@ def test_atoms_without_neighbors_on_packed_rows(pet64):
     for atoms in (Atoms("O", positions=[[0, 0, 0]]), Atoms("OH", positions=[[0, 0, 0], [0, 0, 0.97]])):
         table, packed, _ = _both(pet64, [atoms])
         assert packed[0]["energy"] == pytest.approx(table[0]["energy"], rel=1e-12, abs=1e-12)
-        assert np.abs(packed[0]["forces"] - table[0]["forces"]).max() <= 1e-12 * max(1.0, np.abs(table[0]["forces"]).max())
+        assert np.abs(packed[0]["forces"] - table[0]["forces"]).max() <= 1e-12 * max(
+            1.0, np.abs(table[0]["forces"]).max()
+        )
 
 
 def test_a_step_with_too_few_rows_is_redone_with_more(pet64, water):
@@ -82,4 +84,3 @@ def test_calculators_pack_rows_only_with_the_attention_on_tensor_cores(tiny_ckpt
 
     calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine="lean")
     assert not calc._engine.packed and "neighbor table" in calc._repr_html_()
-

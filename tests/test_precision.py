@@ -19,9 +19,17 @@ def fake_gpu(monkeypatch):
 
 @pytest.mark.parametrize(
     "cc,expected",
-    [((7, 0), "fp32"), ((7, 5), "fp32"), ((8, 0), "tf32x3"), ((8, 9), "tf32x3"), ((9, 0), "fp16x3"),
-     ((10, 0), "bf16x9"), ((10, 3), "bf16x9"), ((12, 0), "fp32")],
-)  # fmt: skip
+    [
+        ((7, 0), "fp32"),
+        ((7, 5), "fp32"),
+        ((8, 0), "tf32x3"),
+        ((8, 9), "tf32x3"),
+        ((9, 0), "fp16x3"),
+        ((10, 0), "bf16x9"),
+        ((10, 3), "bf16x9"),
+        ((12, 0), "fp32"),
+    ],
+)
 def test_auto_selection_table(fake_gpu, cc, expected):
     fake_gpu(cc)
     chosen, why = auto_precision("cuda")
@@ -60,7 +68,9 @@ def test_hopper_without_gluon_falls_back_to_tf32x3(fake_gpu, monkeypatch):
 @pytest.mark.parametrize("cc", [(8, 0), (8, 9), (10, 0)])
 def test_fp16x3_outside_hopper_is_a_clear_error(fake_gpu, cc):
     fake_gpu(cc)
-    with pytest.raises(UnsupportedPrecisionError, match=r"fp16x3 has a kernel for Hopper \(compute capability 9.0\) only"):
+    with pytest.raises(
+        UnsupportedPrecisionError, match=r"fp16x3 has a kernel for Hopper \(compute capability 9.0\) only"
+    ):
         resolve_precision("fp16x3", "cuda")
 
 

@@ -82,7 +82,9 @@ def test_results_files_named_in_tracked_files_exist():
 
 def test_performance_page_tables_are_the_results_files():
     text = report.PAGE.read_text()
-    assert report.render(text) == text, "docs/performance.md differs from benchmarks/results: run python benchmarks/report.py"
+    assert report.render(text) == text, (
+        "docs/performance.md differs from benchmarks/results: run python benchmarks/report.py"
+    )
     assert len(text.splitlines()) < 300
 
 

@@ -7,9 +7,7 @@ from hypothesis.extra.numpy import arrays
 from ase_tcfp32._kernels import round_tf32, split_bf16x3, split_tf32
 from ase_tcfp32._kernels.split import scale_rows, split_fp16
 
-normal_floats = st.floats(
-    allow_nan=False, allow_infinity=False, width=32
-).filter(lambda v: v == 0 or abs(v) > 1e-30)
+normal_floats = st.floats(allow_nan=False, allow_infinity=False, width=32).filter(lambda v: v == 0 or abs(v) > 1e-30)
 vectors = arrays(np.float32, st.integers(1, 64), elements=normal_floats)
 
 

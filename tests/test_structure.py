@@ -39,7 +39,9 @@ def imports(name: str, package: bool, source: str, known) -> set[str]:
                 source = ".".join(anchor + ([node.module] if node.module else []))
             else:
                 source = node.module or ""
-            targets = [f"{source}.{alias.name}" if f"{source}.{alias.name}" in known else source for alias in node.names]
+            targets = [
+                f"{source}.{alias.name}" if f"{source}.{alias.name}" in known else source for alias in node.names
+            ]
         for target in targets:
             while target and target not in known:
                 target = target.rpartition(".")[0]
@@ -114,6 +116,10 @@ def test_public_modules_are_the_documented_ones():
     api = (PACKAGE.parent / "docs" / "api.md").read_text()
     public = {name for name in modules() if not any(part.startswith("_") for part in name.split("."))}
     public -= {"ase_tcfp32", "ase_tcfp32.cli"}
-    undocumented = sorted(name for name in public if f"::: {name}" not in api and not any(
-        f"::: {parent}" in api for parent in [name.rpartition(".")[0]] if parent != "ase_tcfp32"))
+    undocumented = sorted(
+        name
+        for name in public
+        if f"::: {name}" not in api
+        and not any(f"::: {parent}" in api for parent in [name.rpartition(".")[0]] if parent != "ase_tcfp32")
+    )
     assert not undocumented

@@ -5,12 +5,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import fp32_in_order
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ase_tcfp32.tcmodel import PRESETS, custom, matmul, mma, round_to, tensor_core
 from ase_tcfp32.tcmodel.formats import from_bits, to_bits
-from helpers import fp32_in_order
 
 DATA = Path(__file__).parent / "data" / "tc_gpu_outputs"
 U = 2.0**-24
@@ -26,8 +26,14 @@ def _binary(path):
         return np.array([int(line.strip(), 2) for line in f], dtype=np.uint32)
 
 
-CASES = [("V100", "fp16", "fp32"), ("V100", "fp16", "fp16"), ("A100", "fp16", "fp32"),
-         ("A100", "fp16", "fp16"), ("A100", "bf16", "fp32"), ("A100", "tf32", "fp32")]  # fmt: skip
+CASES = [
+    ("V100", "fp16", "fp32"),
+    ("V100", "fp16", "fp16"),
+    ("A100", "fp16", "fp32"),
+    ("A100", "fp16", "fp16"),
+    ("A100", "bf16", "fp32"),
+    ("A100", "tf32", "fp32"),
+]
 
 
 @pytest.mark.parametrize("gpu,fmt,out", CASES)
@@ -47,8 +53,11 @@ def test_bit_exact_on_published_gpu_outputs(gpu, fmt, out):
 
 
 def _value(a, b, c, gpu, fmt):
-    return float(matmul(np.array([a], dtype=float), np.array(b, dtype=float)[:, None], np.array([[c]]),
-                        gpu=gpu, in_fmt=fmt)[0, 0])  # fmt: skip
+    return float(
+        matmul(np.array([a], dtype=float), np.array(b, dtype=float)[:, None], np.array([[c]]), gpu=gpu, in_fmt=fmt)[
+            0, 0
+        ]
+    )
 
 
 B200_RN = custom("B200-RN", "B200", final_rne=True)

@@ -45,8 +45,9 @@ SCRIPT = textwrap.dedent(
 def interpret(script: str, done: str) -> None:
     """Run ``script`` in a fresh process under Triton's interpreter; it must print ``done``."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-W", "ignore", "-c", script], env=env, capture_output=True, text=True,
-                            timeout=600)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert done in result.stdout
 

@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 
 from ase_tcfp32.cli import main
-from ase_tcfp32.validation import cantor_slab, co_on_pt111, water_box
-from ase_tcfp32.validation import report
+from ase_tcfp32.validation import cantor_slab, co_on_pt111, report, water_box
 
 
 def test_builders():
@@ -92,8 +91,21 @@ def test_nve_in_worker_processes_gives_the_same_trajectories(quick_suite, tmp_pa
     and the reordered one another, so either can be the larger (1.46e-7 against 1.38e-7
     eV/atom in one CI run, at 5.2 eV/atom, whose FP32 rounding unit is 3.1e-7); a worker
     with the wrong model or precision misses by orders of magnitude."""
-    main(["validate", "nve", "--model", "pet-demo-chgnet", "--quick", "--precisions", "fp32,tf32x3",
-          "--out", str(tmp_path), "--device", "cpu"])  # fmt: skip
+    main(
+        [
+            "validate",
+            "nve",
+            "--model",
+            "pet-demo-chgnet",
+            "--quick",
+            "--precisions",
+            "fp32,tf32x3",
+            "--out",
+            str(tmp_path),
+            "--device",
+            "cpu",
+        ]
+    )
     parallel, serial = load(quick_suite, "nve")["traces"], load(tmp_path, "nve")["traces"]
     energy = {name: np.array(trace["e_tot_eV_atom"]) for name, trace in serial.items()}
     noise = max(np.abs(energy["fp32 noise"] - energy["fp32"]).max(), 4 * 2.0**-24 * np.abs(energy["fp32"]).max())
@@ -117,8 +129,9 @@ def test_relax_trajectories_agree_at_the_start_and_converge_as_fp32_does(quick_s
 def test_relax_gives_no_verdict_when_fp32_does_not_converge(tmp_path):
     from ase_tcfp32.validation.common import resolve_model
 
-    result = report.run("relax", resolve_model("random:tiny"), ["fp32", "tf32x3"], "cpu", tmp_path, quick=True,
-                        max_steps=2)  # fmt: skip
+    result = report.run(
+        "relax", resolve_model("random:tiny"), ["fp32", "tf32x3"], "cpu", tmp_path, quick=True, max_steps=2
+    )
     rows = rows_by_precision(result["rows"])
     assert rows["fp32"]["converged"] == "0/1" and rows["tf32x3"]["passed"] is None
     assert report._verdict(result["rows"]) == "tf32x3 no verdict (FP32 itself did not converge)"
@@ -142,8 +155,23 @@ def test_api_runs_one_test_and_rejects_unknown_names(tmp_path):
 def test_cli_runs_a_test_in_the_lean_engine(tmp_path):
     """``--engine lean``: the calculators of the test use it, the JSON and report say so,
     and the FP32-accurate mode still passes against the (metatomic) FP64 reference."""
-    main(["validate", "single-point", "--model", "random:tiny", "--precisions", "fp32,tf32x3", "--device", "cpu",
-          "--engine", "lean", "--quick", "--out", str(tmp_path)])  # fmt: skip
+    main(
+        [
+            "validate",
+            "single-point",
+            "--model",
+            "random:tiny",
+            "--precisions",
+            "fp32,tf32x3",
+            "--device",
+            "cpu",
+            "--engine",
+            "lean",
+            "--quick",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     result = load(tmp_path, "single-point")
     assert result["environment"]["engine"] == "lean"
     assert rows_by_precision(result["systems"][0]["rows"])["tf32x3"]["passed"]

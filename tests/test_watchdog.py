@@ -5,10 +5,10 @@ import warnings
 
 import pytest
 import torch
+from helpers import fp32_in_order
 
 from ase_tcfp32 import PrecisionWarning, TCPETCalculator, swap_linear_layers
 from ase_tcfp32.watchdog import FACTOR, errors, floor
-from helpers import fp32_in_order
 
 
 def outlier_inputs(seed=0):

@@ -50,7 +50,6 @@ from .context import on_device
 from .triton_gemm import _round_tf32
 
 
-
 @triton.jit
 def _split(x):
     """``(hi, lo)``: ``hi`` = x rounded to TF32, ``lo = x - hi`` (exact; the tensor cores
@@ -248,8 +247,18 @@ def _softmax(s):
 
 
 @triton.jit
-def _forward_heads(inputs, outputs, real, bias, scale, H: tl.constexpr, D: tl.constexpr, DA: tl.constexpr,
-                   DB: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+def _forward_heads(
+    inputs,
+    outputs,
+    real,
+    bias,
+    scale,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    DA: tl.constexpr,
+    DB: tl.constexpr,
+    STAGES: tl.constexpr,
+):
     """A block's attention, head by head: ``inputs`` [BLOCK, 1] point to its tokens' rows of
     qkv, ``outputs`` [BLOCK, 1] to their rows of the output, ``bias`` [BLOCK, BLOCK]."""
     C: tl.constexpr = H * D
@@ -269,8 +278,20 @@ def _forward_heads(inputs, outputs, real, bias, scale, H: tl.constexpr, D: tl.co
 
 
 @triton.jit
-def _backward_head(inputs, grad_outputs, grad_inputs, real, bias, scale, h, grad_bias, C: tl.constexpr,
-                   D: tl.constexpr, DP: tl.constexpr, COLUMNS: tl.constexpr):  # fmt: skip
+def _backward_head(
+    inputs,
+    grad_outputs,
+    grad_inputs,
+    real,
+    bias,
+    scale,
+    h,
+    grad_bias,
+    C: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    COLUMNS: tl.constexpr,
+):
     """The gradients of :func:`_forward_heads` for head ``h`` with respect to qkv (stored at
     ``grad_inputs`` [BLOCK, 1]) for the output gradient at ``grad_outputs``; returns
     ``grad_bias`` plus the gradient of the head's scores [BLOCK, BLOCK] (``COLUMNS``: plus
@@ -294,24 +315,59 @@ def _backward_head(inputs, grad_outputs, grad_inputs, real, bias, scale, h, grad
 
 
 @triton.jit(do_not_specialize=["B", "T"])
-def _attention_forward(qkv_ptr, mask_ptr, out_ptr, B, T, scale,
-                       H: tl.constexpr, D: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, BLOCK: tl.constexpr,
-                       STAGES: tl.constexpr):  # fmt: skip
+def _attention_forward(
+    qkv_ptr,
+    mask_ptr,
+    out_ptr,
+    B,
+    T,
+    scale,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    DA: tl.constexpr,
+    DB: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
     row, real, bias, _offsets, _same = _program_block(mask_ptr, B, T, BLOCK)
     C: tl.constexpr = H * D
     _forward_heads(qkv_ptr + row[:, None] * 3 * C, out_ptr + row[:, None] * C, real, bias, scale, H, D, DA, DB, STAGES)
 
 
 @triton.jit(do_not_specialize=["B", "T"])
-def _attention_backward(qkv_ptr, mask_ptr, grad_out_ptr, grad_qkv_ptr, grad_mask_ptr, B, T, scale,
-                        H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
-                        STAGES: tl.constexpr):  # fmt: skip
+def _attention_backward(
+    qkv_ptr,
+    mask_ptr,
+    grad_out_ptr,
+    grad_qkv_ptr,
+    grad_mask_ptr,
+    B,
+    T,
+    scale,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
     row, real, bias, offsets, same = _program_block(mask_ptr, B, T, BLOCK)
     C: tl.constexpr = H * D
     grad_bias = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)  # summed over the heads
     for h in tl.range(0, H, num_stages=STAGES):
-        grad_bias = _backward_head(qkv_ptr + row[:, None] * 3 * C, grad_out_ptr + row[:, None] * C,
-                                   grad_qkv_ptr + row[:, None] * 3 * C, real, bias, scale, h, grad_bias, C, D, DP, False)  # fmt: skip
+        grad_bias = _backward_head(
+            qkv_ptr + row[:, None] * 3 * C,
+            grad_out_ptr + row[:, None] * C,
+            grad_qkv_ptr + row[:, None] * 3 * C,
+            real,
+            bias,
+            scale,
+            h,
+            grad_bias,
+            C,
+            D,
+            DP,
+            False,
+        )
     tl.store(grad_mask_ptr + offsets, grad_bias, mask=same)
 
 
@@ -323,45 +379,102 @@ def _zero_tail(ptr, total_ptr, E, start, width: tl.constexpr, BLOCK: tl.constexp
     rows = (r >= tl.load(total_ptr)) & (r < E)
     for first in tl.static_range(0, width, 64):
         c = first + tl.arange(0, 64)
-        tl.store(ptr + r[:, None] * width + c[None, :], tl.zeros((BLOCK, 64), dtype=tl.float32),
-                 mask=rows[:, None] & (c < width)[None, :])  # fmt: skip
+        tl.store(
+            ptr + r[:, None] * width + c[None, :],
+            tl.zeros((BLOCK, 64), dtype=tl.float32),
+            mask=rows[:, None] & (c < width)[None, :],
+        )
 
 
 @triton.jit(do_not_specialize=["slots", "T", "E"])
-def _packed_forward(qkv_ptr, node_qkv_ptr, bias_ptr, first_ptr, counts_ptr, order_ptr, blocks_ptr, total_ptr, out_ptr,
-                    node_out_ptr, slots, T, E, scale, H: tl.constexpr, D: tl.constexpr, DA: tl.constexpr,
-                    DB: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+def _packed_forward(
+    qkv_ptr,
+    node_qkv_ptr,
+    bias_ptr,
+    first_ptr,
+    counts_ptr,
+    order_ptr,
+    blocks_ptr,
+    total_ptr,
+    out_ptr,
+    node_out_ptr,
+    slots,
+    T,
+    E,
+    scale,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    DA: tl.constexpr,
+    DB: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
     C: tl.constexpr = H * D
     pid = tl.program_id(0)
     if pid < slots:
         a0, atoms = tl.load(blocks_ptr + 2 * pid), tl.load(blocks_ptr + 2 * pid + 1)
         if atoms > 0:
-            atom, edge, real, center, bias = _packed_block(bias_ptr, first_ptr, counts_ptr, order_ptr, a0, atoms, T, BLOCK)
-            _forward_heads(_rows(qkv_ptr, node_qkv_ptr, atom, edge, center, 3 * C),
-                           _rows(out_ptr, node_out_ptr, atom, edge, center, C), real, bias, scale, H, D, DA, DB, STAGES)  # fmt: skip
+            atom, edge, real, center, bias = _packed_block(
+                bias_ptr, first_ptr, counts_ptr, order_ptr, a0, atoms, T, BLOCK
+            )
+            _forward_heads(
+                _rows(qkv_ptr, node_qkv_ptr, atom, edge, center, 3 * C),
+                _rows(out_ptr, node_out_ptr, atom, edge, center, C),
+                real,
+                bias,
+                scale,
+                H,
+                D,
+                DA,
+                DB,
+                STAGES,
+            )
     else:  # the edge rows past the real ones
         _zero_tail(out_ptr, total_ptr, E, (pid - slots).to(tl.int64) * BLOCK, C, BLOCK)
 
 
 @triton.jit(do_not_specialize=["slots", "T", "E"])
-def _packed_backward(qkv_ptr, node_qkv_ptr, bias_ptr, first_ptr, counts_ptr, order_ptr, blocks_ptr, total_ptr, grad_out_ptr,
-                     node_grad_out_ptr, grad_qkv_ptr, node_grad_qkv_ptr, grad_bias_ptr, slots, T, E, scale,
-                     H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
-                     STAGES: tl.constexpr):  # fmt: skip
+def _packed_backward(
+    qkv_ptr,
+    node_qkv_ptr,
+    bias_ptr,
+    first_ptr,
+    counts_ptr,
+    order_ptr,
+    blocks_ptr,
+    total_ptr,
+    grad_out_ptr,
+    node_grad_out_ptr,
+    grad_qkv_ptr,
+    node_grad_qkv_ptr,
+    grad_bias_ptr,
+    slots,
+    T,
+    E,
+    scale,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
     C: tl.constexpr = H * D
     pid = tl.program_id(0)
     if pid < slots:
         a0, atoms = tl.load(blocks_ptr + 2 * pid), tl.load(blocks_ptr + 2 * pid + 1)
         if atoms > 0:
-            atom, edge, real, center, bias = _packed_block(bias_ptr, first_ptr, counts_ptr, order_ptr, a0, atoms, T, BLOCK)
+            atom, edge, real, center, bias = _packed_block(
+                bias_ptr, first_ptr, counts_ptr, order_ptr, a0, atoms, T, BLOCK
+            )
             inputs = _rows(qkv_ptr, node_qkv_ptr, atom, edge, center, 3 * C)
             grad_outputs = _rows(grad_out_ptr, node_grad_out_ptr, atom, edge, center, C)
             grad_inputs = _rows(grad_qkv_ptr, node_grad_qkv_ptr, atom, edge, center, 3 * C)
             # each key's bias is shared by its sequence's queries: the sums of its columns, over the heads
             grad_bias = tl.zeros((BLOCK,), dtype=tl.float32)
             for h in tl.range(0, H, num_stages=STAGES):
-                grad_bias = _backward_head(inputs, grad_outputs, grad_inputs, real, bias, scale, h, grad_bias, C, D, DP,
-                                           True)  # fmt: skip
+                grad_bias = _backward_head(
+                    inputs, grad_outputs, grad_inputs, real, bias, scale, h, grad_bias, C, D, DP, True
+                )
             tl.store(grad_bias_ptr + edge, grad_bias, mask=real & (center == 0))
     else:
         start = (pid - slots).to(tl.int64) * BLOCK
@@ -408,15 +521,18 @@ def config(tokens: int, head_dim: int, backward: bool = False) -> dict:
     return dict(BLOCK=64, num_warps=4, STAGES=2 if head_dim <= 32 or not backward else 1)
 
 
-def launch_shape(qkv: torch.Tensor, mask: torch.Tensor, heads: int, launch: dict | None = None,
-                 backward: bool = False) -> tuple:  # fmt: skip
+def launch_shape(
+    qkv: torch.Tensor, mask: torch.Tensor, heads: int, launch: dict | None = None, backward: bool = False
+) -> tuple:
     """``(atoms, tokens, head_dim, grid, constants)`` of a launch on ``qkv`` [B, T, 3*H*D]
     and ``mask`` [B, T, T] (checked: a clear error before any launch), ``constants`` being
     the forward (or ``backward``) kernel's compile-time arguments with ``launch`` (default
     :func:`config`)."""
     atoms, tokens, width = qkv.shape
     if width % (3 * heads) or mask.shape != (atoms, tokens, tokens):
-        raise ValueError(f"qkv [B, T, 3*H*D] and mask [B, T, T] expected, got {tuple(qkv.shape)} and {tuple(mask.shape)}")
+        raise ValueError(
+            f"qkv [B, T, 3*H*D] and mask [B, T, T] expected, got {tuple(qkv.shape)} and {tuple(mask.shape)}"
+        )
     head_dim = width // (3 * heads)
     constants = _constants(tokens, heads, head_dim, launch, backward)
     return atoms, tokens, head_dim, (triton.cdiv(atoms, constants["BLOCK"] // tokens),), constants
@@ -425,13 +541,17 @@ def launch_shape(qkv: torch.Tensor, mask: torch.Tensor, heads: int, launch: dict
 def _constants(tokens: int, heads: int, head_dim: int, launch: dict | None, backward: bool) -> dict:
     """The kernels' compile-time arguments for sequences of up to ``tokens`` (checked)."""
     if tokens > max_tokens(head_dim):
-        raise ValueError(f"the attention kernels take at most {max_tokens(head_dim)} tokens with heads of {head_dim}, not {tokens}")
+        raise ValueError(
+            f"the attention kernels take at most {max_tokens(head_dim)} tokens with heads of {head_dim}, not {tokens}"
+        )
     c = launch or config(tokens, head_dim, backward)
     columns = dict(DP=padded_columns(head_dim)) if backward else dict(zip(("DA", "DB"), head_columns(head_dim)))
     return dict(H=heads, D=head_dim, **columns, **c)
 
 
-def forward(qkv: torch.Tensor, mask: torch.Tensor, heads: int, scale: float, launch: dict | None = None) -> torch.Tensor:
+def forward(
+    qkv: torch.Tensor, mask: torch.Tensor, heads: int, scale: float, launch: dict | None = None
+) -> torch.Tensor:
     """``softmax(scale * q k^T + mask) v`` per atom and head: ``qkv`` [B, T, 3*H*D] and
     ``mask`` [B, T, T] float32, contiguous; returns [B, T, H*D] (heads side by side)."""
     atoms, tokens, head_dim, grid, constants = launch_shape(qkv, mask, heads, launch)
@@ -442,16 +562,18 @@ def forward(qkv: torch.Tensor, mask: torch.Tensor, heads: int, scale: float, lau
     return out
 
 
-def backward(grad_out: torch.Tensor, qkv: torch.Tensor, mask: torch.Tensor, heads: int, scale: float,
-             launch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def backward(
+    grad_out: torch.Tensor, qkv: torch.Tensor, mask: torch.Tensor, heads: int, scale: float, launch: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of :func:`forward` with respect to ``qkv`` [B, T, 3*H*D] and ``mask``
     [B, T, T] (summed over the heads), for the output gradient ``grad_out`` [B, T, H*D]."""
     atoms, tokens, _, grid, constants = launch_shape(qkv, mask, heads, launch, backward=True)
     grad_qkv, grad_mask = torch.empty_like(qkv), torch.empty_like(mask)
     if atoms:
         with on_device(qkv.device):
-            _attention_backward[grid](qkv, mask, grad_out.contiguous(), grad_qkv, grad_mask, atoms, tokens, scale,
-                                      **constants)  # fmt: skip
+            _attention_backward[grid](
+                qkv, mask, grad_out.contiguous(), grad_qkv, grad_mask, atoms, tokens, scale, **constants
+            )
     return grad_qkv, grad_mask
 
 
@@ -498,8 +620,17 @@ def fit_blocks(sequences: Sequences, block: int) -> Blocks:
     order, table = sequences.counts.new_empty(atoms), sequences.counts.new_empty(chunks * slots, 2)
     if chunks:
         with on_device(order.device):
-            _fit_blocks[(chunks,)](sequences.counts, order, table, atoms, sequences.tokens, slots, CHUNK=FIT_CHUNK,
-                                   BLOCK=block, num_warps=4)  # fmt: skip
+            _fit_blocks[(chunks,)](
+                sequences.counts,
+                order,
+                table,
+                atoms,
+                sequences.tokens,
+                slots,
+                CHUNK=FIT_CHUNK,
+                BLOCK=block,
+                num_warps=4,
+            )
     return Blocks(order, table)
 
 
@@ -514,31 +645,55 @@ def packed_blocks(sequences: Sequences, heads: int, head_dim: int, launch: dict 
     return fit_blocks(sequences, _constants(sequences.tokens, heads, head_dim, launch, False)["BLOCK"])
 
 
-def _packed_launch(qkv: torch.Tensor, node_qkv: torch.Tensor, bias: torch.Tensor, sequences: Sequences, heads: int,
-                   launch: dict | None, backward: bool, blocks: Blocks | None) -> tuple:  # fmt: skip
+def _packed_launch(
+    qkv: torch.Tensor,
+    node_qkv: torch.Tensor,
+    bias: torch.Tensor,
+    sequences: Sequences,
+    heads: int,
+    launch: dict | None,
+    backward: bool,
+    blocks: Blocks | None,
+) -> tuple:
     """``(head_dim, grid, constants, blocks)`` of a packed launch (shapes checked first;
     ``blocks`` fitted when not given)."""
     edges, width = qkv.shape
     atoms = node_qkv.shape[0]
-    if (width % (3 * heads) or node_qkv.shape[1] != width or bias.shape != (edges,)
-            or sequences.first.shape != (atoms,) or sequences.counts.shape != (atoms,)):  # fmt: skip
-        raise ValueError(f"qkv [E, 3*H*D], node qkv [N, 3*H*D], bias [E], first and counts [N] expected, got "
-                         f"{tuple(qkv.shape)}, {tuple(node_qkv.shape)}, {tuple(bias.shape)}, "
-                         f"{tuple(sequences.first.shape)}, {tuple(sequences.counts.shape)}")  # fmt: skip
+    if (
+        width % (3 * heads)
+        or node_qkv.shape[1] != width
+        or bias.shape != (edges,)
+        or sequences.first.shape != (atoms,)
+        or sequences.counts.shape != (atoms,)
+    ):
+        raise ValueError(
+            f"qkv [E, 3*H*D], node qkv [N, 3*H*D], bias [E], first and counts [N] expected, got "
+            f"{tuple(qkv.shape)}, {tuple(node_qkv.shape)}, {tuple(bias.shape)}, "
+            f"{tuple(sequences.first.shape)}, {tuple(sequences.counts.shape)}"
+        )
     head_dim = width // (3 * heads)
     c = _constants(sequences.tokens, heads, head_dim, launch, backward)
     slots = triton.cdiv(atoms, FIT_CHUNK) * _slots(atoms, sequences.tokens, c["BLOCK"])
     if blocks is None:
         blocks = fit_blocks(sequences, c["BLOCK"])
     elif blocks.table.shape != (slots, 2) or blocks.order.shape != (atoms,):
-        raise ValueError(f"blocks of {c['BLOCK']} rows: order [{atoms}] and table [{slots}, 2] expected, got "
-                         f"{tuple(blocks.order.shape)} and {tuple(blocks.table.shape)}")  # fmt: skip
+        raise ValueError(
+            f"blocks of {c['BLOCK']} rows: order [{atoms}] and table [{slots}, 2] expected, got "
+            f"{tuple(blocks.order.shape)} and {tuple(blocks.table.shape)}"
+        )
     return head_dim, (slots + triton.cdiv(edges, c["BLOCK"]),), c, blocks
 
 
-def forward_packed(qkv: torch.Tensor, node_qkv: torch.Tensor, bias: torch.Tensor, sequences: Sequences, heads: int,
-                   scale: float, launch: dict | None = None,
-                   blocks: Blocks | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def forward_packed(
+    qkv: torch.Tensor,
+    node_qkv: torch.Tensor,
+    bias: torch.Tensor,
+    sequences: Sequences,
+    heads: int,
+    scale: float,
+    launch: dict | None = None,
+    blocks: Blocks | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`forward` on sequences of different lengths, stored without padding: the
     queries, keys and values of the edge tokens ``qkv`` [E, 3*H*D] and of the atoms' center
     tokens ``node_qkv`` [N, 3*H*D], a bias [E] per edge token as key (0 for the center
@@ -550,22 +705,60 @@ def forward_packed(qkv: torch.Tensor, node_qkv: torch.Tensor, bias: torch.Tensor
     head_dim, grid, constants, blocks = _packed_launch(qkv, node_qkv, bias, sequences, heads, launch, False, blocks)
     out, node_out = qkv.new_empty(qkv.shape[0], heads * head_dim), qkv.new_empty(node_qkv.shape[0], heads * head_dim)
     with on_device(qkv.device):
-        _packed_forward[grid](qkv, node_qkv, bias, sequences.first, sequences.counts, *blocks, sequences.total,
-                              out, node_out, blocks.table.shape[0], sequences.tokens, qkv.shape[0], scale, **constants)  # fmt: skip
+        _packed_forward[grid](
+            qkv,
+            node_qkv,
+            bias,
+            sequences.first,
+            sequences.counts,
+            *blocks,
+            sequences.total,
+            out,
+            node_out,
+            blocks.table.shape[0],
+            sequences.tokens,
+            qkv.shape[0],
+            scale,
+            **constants,
+        )
     return out, node_out
 
 
-def backward_packed(grad_out: torch.Tensor, node_grad_out: torch.Tensor, qkv: torch.Tensor, node_qkv: torch.Tensor,
-                    bias: torch.Tensor, sequences: Sequences, heads: int, scale: float,
-                    launch: dict | None = None,
-                    blocks: Blocks | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def backward_packed(
+    grad_out: torch.Tensor,
+    node_grad_out: torch.Tensor,
+    qkv: torch.Tensor,
+    node_qkv: torch.Tensor,
+    bias: torch.Tensor,
+    sequences: Sequences,
+    heads: int,
+    scale: float,
+    launch: dict | None = None,
+    blocks: Blocks | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`forward_packed` with respect to ``qkv``, ``node_qkv`` and ``bias``
     (zero in the edge rows from ``sequences.total`` on), for the output gradients
     ``grad_out`` [E, H*D] and ``node_grad_out`` [N, H*D]."""
     _, grid, constants, blocks = _packed_launch(qkv, node_qkv, bias, sequences, heads, launch, True, blocks)
     grad_qkv, node_grad_qkv, grad_bias = torch.empty_like(qkv), torch.empty_like(node_qkv), torch.empty_like(bias)
     with on_device(qkv.device):
-        _packed_backward[grid](qkv, node_qkv, bias, sequences.first, sequences.counts, *blocks, sequences.total,
-                               grad_out.contiguous(), node_grad_out.contiguous(), grad_qkv, node_grad_qkv, grad_bias,
-                               blocks.table.shape[0], sequences.tokens, qkv.shape[0], scale, **constants)  # fmt: skip
+        _packed_backward[grid](
+            qkv,
+            node_qkv,
+            bias,
+            sequences.first,
+            sequences.counts,
+            *blocks,
+            sequences.total,
+            grad_out.contiguous(),
+            node_grad_out.contiguous(),
+            grad_qkv,
+            node_grad_qkv,
+            grad_bias,
+            blocks.table.shape[0],
+            sequences.tokens,
+            qkv.shape[0],
+            scale,
+            **constants,
+        )
     return grad_qkv, node_grad_qkv, grad_bias

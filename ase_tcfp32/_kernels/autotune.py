@@ -21,8 +21,8 @@ import json
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -59,8 +59,9 @@ def _read(path: Path) -> dict:
     try:
         return dict(json.loads(path.read_text()))
     except (OSError, ValueError) as error:
-        warnings.warn(f"ignoring the unreadable autotuning cache {path} ({error}); configurations are tuned again",
-                      stacklevel=4)  # fmt: skip
+        warnings.warn(
+            f"ignoring the unreadable autotuning cache {path} ({error}); configurations are tuned again", stacklevel=4
+        )
         return {}
 
 
@@ -87,8 +88,10 @@ def _add(path: Path, key: str, configuration: dict) -> None:
             temporary.write_text(json.dumps(configurations, indent=1, sort_keys=True))
             os.replace(temporary, path)
     except OSError as error:
-        warnings.warn(f"could not write the autotuning cache {path} ({error}); tuned configurations "
-                      "last for this process only", stacklevel=4)  # fmt: skip
+        warnings.warn(
+            f"could not write the autotuning cache {path} ({error}); tuned configurations last for this process only",
+            stacklevel=4,
+        )
 
 
 def known() -> dict[str, dict]:
@@ -129,8 +132,14 @@ def tuning_rows(n: int, k: int) -> int:
     return max(8192, min(2**18, 2**26 // max(n, k)))
 
 
-def tuned_gemm(kernel: str, n: int, k: int, device: torch.device, candidates: list[dict],
-               launcher: Callable[[dict], Callable[[torch.Tensor], object]]) -> dict:  # fmt: skip
+def tuned_gemm(
+    kernel: str,
+    n: int,
+    k: int,
+    device: torch.device,
+    candidates: list[dict],
+    launcher: Callable[[dict], Callable[[torch.Tensor], object]],
+) -> dict:
     """:func:`tuned` for a GEMM with a weight [n, k] on ``device``: ``launcher(config)``
     gives the function that launches it on x [rows, k], timed by Triton's ``do_bench``
     (median ms). x is random, made only if something is measured, with

@@ -64,8 +64,20 @@ def _standardised(a, b, mean, rstd, where):
 
 
 @triton.jit
-def _combination_forward(o_ptr, reverse_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, P, eps,
-                         D: tl.constexpr, DP: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+def _combination_forward(
+    o_ptr,
+    reverse_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    mean_ptr,
+    rstd_ptr,
+    P,
+    eps,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     p = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     real = p < P
     r = tl.load(reverse_ptr + p, mask=real, other=0)
@@ -96,8 +108,19 @@ def _row_gradient(a, b, dy_ptr, row, mean, rstd, wa, wb, c, where, D: tl.constex
 
 
 @triton.jit
-def _combination_backward(o_ptr, reverse_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, do_ptr, P,
-                          D: tl.constexpr, DP: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+def _combination_backward(
+    o_ptr,
+    reverse_ptr,
+    w_ptr,
+    dy_ptr,
+    mean_ptr,
+    rstd_ptr,
+    do_ptr,
+    P,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     p = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     r = tl.load(reverse_ptr + p, mask=p < P, other=0)
     lead = (p < P) & (p <= r)  # the orbit {p, r(p)} is this program's
@@ -115,7 +138,9 @@ def _launch(o: torch.Tensor, reverse: torch.Tensor, backward: bool) -> tuple:
     """``(P, D, constants, grid)`` for ``o`` [..., D] float32 and ``reverse`` [...] int64,
     contiguous (checked first)."""
     if o.dtype != torch.float32 or not o.is_contiguous() or reverse.dtype != torch.int64 or not reverse.is_contiguous():
-        raise ValueError(f"contiguous float32 messages and int64 reverse slots expected, got {o.dtype} and {reverse.dtype}")
+        raise ValueError(
+            f"contiguous float32 messages and int64 reverse slots expected, got {o.dtype} and {reverse.dtype}"
+        )
     if reverse.shape != o.shape[:-1]:
         raise ValueError(f"one reverse slot per message expected: {tuple(reverse.shape)} for {tuple(o.shape)}")
     rows, width = reverse.numel(), o.shape[-1]
@@ -124,8 +149,9 @@ def _launch(o: torch.Tensor, reverse: torch.Tensor, backward: bool) -> tuple:
     return rows, width, constants, (triton.cdiv(rows, block),)
 
 
-def forward(o: torch.Tensor, reverse: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-            eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def forward(
+    o: torch.Tensor, reverse: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``LayerNorm(cat(o, o[reverse]))`` [..., 2D] for ``o`` [..., D] and the slots
     ``reverse`` [...] (indices into ``o``'s rows, flattened), with ``weight`` and ``bias``
     [2D]; and each row's mean and reciprocal standard deviation [P] for :func:`backward`."""
@@ -134,19 +160,27 @@ def forward(o: torch.Tensor, reverse: torch.Tensor, weight: torch.Tensor, bias: 
     mean, rstd = o.new_empty(rows), o.new_empty(rows)
     if rows:
         with on_device(o.device):
-            _combination_forward[grid](o, reverse, weight.contiguous(), bias.contiguous(), y, mean, rstd, rows, eps,
-                                       **constants, num_warps=4)  # fmt: skip
+            _combination_forward[grid](
+                o, reverse, weight.contiguous(), bias.contiguous(), y, mean, rstd, rows, eps, **constants, num_warps=4
+            )
     return y, mean, rstd
 
 
-def backward(grad_y: torch.Tensor, o: torch.Tensor, reverse: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
-             rstd: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def backward(
+    grad_y: torch.Tensor,
+    o: torch.Tensor,
+    reverse: torch.Tensor,
+    weight: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+) -> torch.Tensor:
     """The gradient [..., D] of :func:`forward` with respect to ``o``, for ``grad_y`` [...,
     2D]; ``reverse`` must be an involution (see the module doc)."""
     rows, width, constants, grid = _launch(o, reverse, backward=True)
     grad_o = torch.empty_like(o)
     if rows:
         with on_device(o.device):
-            _combination_backward[grid](o, reverse, weight.contiguous(), grad_y.contiguous(), mean, rstd, grad_o, rows,
-                                        **constants, num_warps=8)  # fmt: skip
+            _combination_backward[grid](
+                o, reverse, weight.contiguous(), grad_y.contiguous(), mean, rstd, grad_o, rows, **constants, num_warps=8
+            )
     return grad_o

@@ -54,12 +54,18 @@ def _check(status: int, call: str) -> None:
 def get_strategy(handle: int) -> int:
     """The emulation strategy set on a cuBLAS ``handle``."""
     value = ctypes.c_int(-1)
-    _check(libcublas().cublasGetEmulationStrategy(ctypes.c_void_p(handle), ctypes.byref(value)), "cublasGetEmulationStrategy")
+    _check(
+        libcublas().cublasGetEmulationStrategy(ctypes.c_void_p(handle), ctypes.byref(value)),
+        "cublasGetEmulationStrategy",
+    )
     return value.value
 
 
 def set_strategy(handle: int, strategy: int) -> None:
-    _check(libcublas().cublasSetEmulationStrategy(ctypes.c_void_p(handle), ctypes.c_int(strategy)), "cublasSetEmulationStrategy")
+    _check(
+        libcublas().cublasSetEmulationStrategy(ctypes.c_void_p(handle), ctypes.c_int(strategy)),
+        "cublasSetEmulationStrategy",
+    )
 
 
 def gemm_bf16x9(a: torch.Tensor, b: torch.Tensor, *, transpose_b: bool, strategy: str = "performant") -> torch.Tensor:
@@ -79,11 +85,26 @@ def gemm_bf16x9(a: torch.Tensor, b: torch.Tensor, *, transpose_b: bool, strategy
     try:
         # column-major view: out^T [n, m] = op(b) [n, k] @ a^T [k, m]
         status = libcublas().cublasGemmEx(
-            ptr(handle), _OP_T if transpose_b else _OP_N, _OP_N, n, m, k,
-            ctypes.byref(one), ptr(b.data_ptr()), _R_32F, k if transpose_b else n,
-            ptr(a.data_ptr()), _R_32F, k, ctypes.byref(zero),
-            ptr(out.data_ptr()), _R_32F, n, COMPUTE_32F_EMULATED_16BFX9, _GEMM_DEFAULT,
-        )  # fmt: skip
+            ptr(handle),
+            _OP_T if transpose_b else _OP_N,
+            _OP_N,
+            n,
+            m,
+            k,
+            ctypes.byref(one),
+            ptr(b.data_ptr()),
+            _R_32F,
+            k if transpose_b else n,
+            ptr(a.data_ptr()),
+            _R_32F,
+            k,
+            ctypes.byref(zero),
+            ptr(out.data_ptr()),
+            _R_32F,
+            n,
+            COMPUTE_32F_EMULATED_16BFX9,
+            _GEMM_DEFAULT,
+        )
         _check(status, "cublasGemmEx")
     finally:
         set_strategy(handle, saved)

@@ -53,8 +53,19 @@ def _counts(distances_ptr, start, end, r, width, slope, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _solver_kernel(distances_ptr, first_ptr, r_ptr, dn_ptr, width, slope, max_cutoff, inv_max_cutoff, target,
-                   ITERATIONS: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+def _solver_kernel(
+    distances_ptr,
+    first_ptr,
+    r_ptr,
+    dn_ptr,
+    width,
+    slope,
+    max_cutoff,
+    inv_max_cutoff,
+    target,
+    ITERATIONS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     atom = tl.program_id(0)
     start = tl.load(first_ptr + atom)
     end = tl.load(first_ptr + atom + 1)
@@ -77,8 +88,9 @@ def _solver_kernel(distances_ptr, first_ptr, r_ptr, dn_ptr, width, slope, max_cu
     tl.store(dn_ptr + atom, dn + 3.0 * target * (x * x) * inv_max_cutoff)
 
 
-def solve(distances: torch.Tensor, first: torch.Tensor, target: float, max_cutoff: float,
-          width: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def solve(
+    distances: torch.Tensor, first: torch.Tensor, target: float, max_cutoff: float, width: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each atom's root r [N] of the smooth neighbor count and dn/dr there [N] (no
     gradients), for the float32 pair ``distances`` [E] sorted by center atom, atom a's
     pairs being ``first[a] .. first[a+1] - 1`` (``first`` [N + 1] int64)."""
@@ -86,8 +98,20 @@ def solve(distances: torch.Tensor, first: torch.Tensor, target: float, max_cutof
     r, dn = (torch.empty(atoms, device=distances.device, dtype=torch.float32) for _ in range(2))
     if atoms:
         with on_device(distances.device):
-            _solver_kernel[(atoms,)](distances, first, r, dn, width, 0.5 * math.pi / width, max_cutoff,
-                                     1.0 / max_cutoff, target, ITERATIONS=ITERATIONS, CHUNK=128, num_warps=4)  # fmt: skip
+            _solver_kernel[(atoms,)](
+                distances,
+                first,
+                r,
+                dn,
+                width,
+                0.5 * math.pi / width,
+                max_cutoff,
+                1.0 / max_cutoff,
+                target,
+                ITERATIONS=ITERATIONS,
+                CHUNK=128,
+                num_warps=4,
+            )
     return r, dn
 
 
@@ -102,8 +126,15 @@ def _(distances, first, target, max_cutoff, width):
     return distances.new_empty(atoms), distances.new_empty(atoms)
 
 
-def adaptive_cutoffs(centers: torch.Tensor, distances: torch.Tensor, first: torch.Tensor, target: float,
-                     max_cutoff: float, width: float, bump) -> torch.Tensor:  # fmt: skip
+def adaptive_cutoffs(
+    centers: torch.Tensor,
+    distances: torch.Tensor,
+    first: torch.Tensor,
+    target: float,
+    max_cutoff: float,
+    width: float,
+    bump,
+) -> torch.Tensor:
     """metatrain's adaptive cutoffs [N] (Å) of the pairs' center atoms, differentiable
     through ``distances`` [E] (float32, sorted by ``centers`` [E], see :func:`solve`):
     :func:`solve`'s root, then metatrain's implicit-function step with ``bump``

@@ -27,7 +27,13 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from . import autotune
 from .context import on_device
@@ -91,16 +97,32 @@ def _loader(x_desc, hi_desc, lo_desc, xs, his, los, ready, empty, M, N, GROUP_M:
 
 @gluon.jit
 def _fp16x3_consumer(
-    xs, his, los, ready, empty, ys, y_desc, scale_ptr, bias_ptr, M, N, num_k,
-    HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
-):  # fmt: skip
+    xs,
+    his,
+    los,
+    ready,
+    empty,
+    ys,
+    y_desc,
+    scale_ptr,
+    bias_ptr,
+    M,
+    N,
+    num_k,
+    HAS_BIAS: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """Consumer warpgroups: for each output tile the K loop of :func:`_split` and :func:`_issue`, where
     each K-tile's accumulator joins the FP32 sum (times its rows' ``2^-a``) while the next
     K-tile's products run; then ``acc * scale (+ bias)`` goes to shared memory ``ys``, from
     where a TMA store writes it out while the next tile's K loop runs."""
     BM: gl.constexpr = xs.shape[1]
     BN: gl.constexpr = his.shape[1]
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16]
+    )
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     rows_layout: gl.constexpr = gl.SliceLayout(1, mma)
     cols_layout: gl.constexpr = gl.SliceLayout(0, mma)
@@ -145,9 +167,19 @@ def _fp16x3_consumer(
 
 @gluon.jit
 def _fp16x3_kernel(
-    x_desc, hi_desc, lo_desc, y_desc, scale_ptr, bias_ptr, M, N,
-    HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr,
-):  # fmt: skip
+    x_desc,
+    hi_desc,
+    lo_desc,
+    y_desc,
+    scale_ptr,
+    bias_ptr,
+    M,
+    N,
+    HAS_BIAS: gl.constexpr,
+    STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """``y = (x @ w^T) * scale (+ bias)``: one program per SM walks the output tiles; a
     producer warp streams their K-tiles (x in FP32, the weight's FP16 words) through a
     ``STAGES``-deep TMA ring, two consumer warpgroups compute, and TMA stores the tiles."""
@@ -155,11 +187,33 @@ def _fp16x3_kernel(
     ys = gl.allocate_shared_memory(gl.float32, y_desc.block_type.shape, y_desc.layout)
     num_k = gl.cdiv(x_desc.shape[1], x_desc.block_type.shape[1])
     gl.warp_specialize(
-        [(_fp16x3_consumer, (xs, his, los, ready, empty, ys, y_desc, scale_ptr, bias_ptr, M, N, num_k,
-                              HAS_BIAS, GROUP_M, STAGES, num_warps)),
-         (_loader, (x_desc, hi_desc, lo_desc, xs, his, los, ready, empty, M, N, GROUP_M, STAGES))],
-        [1], [24],
-    )  # fmt: skip
+        [
+            (
+                _fp16x3_consumer,
+                (
+                    xs,
+                    his,
+                    los,
+                    ready,
+                    empty,
+                    ys,
+                    y_desc,
+                    scale_ptr,
+                    bias_ptr,
+                    M,
+                    N,
+                    num_k,
+                    HAS_BIAS,
+                    GROUP_M,
+                    STAGES,
+                    num_warps,
+                ),
+            ),
+            (_loader, (x_desc, hi_desc, lo_desc, xs, his, los, ready, empty, M, N, GROUP_M, STAGES)),
+        ],
+        [1],
+        [24],
+    )
 
 
 CONFIG = dict(BM=128, BN=128, BK=32, STAGES=4, GROUP_M=8, num_warps=8)
@@ -224,10 +278,19 @@ def launch(x: torch.Tensor, w: Words, bias: torch.Tensor | None = None, config: 
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     with on_device(x.device):
         _fp16x3_kernel[(min(tiles, sm_count(x.device)),)](
-            descriptor(tma_ready(x, kp), [bm, bk]), descriptor(w.words[0], [bn, bk]), descriptor(w.words[1], [bn, bk]),
-            descriptor(y, [bm, bn]), w.scale, bias if bias is not None else y, m, n,
-            HAS_BIAS=bias is not None, STAGES=config["STAGES"], GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
-        )  # fmt: skip
+            descriptor(tma_ready(x, kp), [bm, bk]),
+            descriptor(w.words[0], [bn, bk]),
+            descriptor(w.words[1], [bn, bk]),
+            descriptor(y, [bm, bn]),
+            w.scale,
+            bias if bias is not None else y,
+            m,
+            n,
+            HAS_BIAS=bias is not None,
+            STAGES=config["STAGES"],
+            GROUP_M=config["GROUP_M"],
+            num_warps=config["num_warps"],
+        )
     return y if y.shape[1] == n else y[:, :n].contiguous()
 
 

@@ -51,15 +51,17 @@ def _sigmoid(g, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_forward(y_ptr, h_ptr, rows, F, BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr,
-                    LIBDEVICE: tl.constexpr):  # fmt: skip
+def _swiglu_forward(
+    y_ptr, h_ptr, rows, F, BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr, LIBDEVICE: tl.constexpr
+):
     at_h, _, inside, v, g = _tile(y_ptr, rows, F, BLOCK_ROWS, BLOCK_COLUMNS)
     tl.store(h_ptr + at_h, v * _sigmoid(g, LIBDEVICE), mask=inside)
 
 
 @triton.jit
-def _swiglu_backward(y_ptr, dh_ptr, dy_ptr, rows, F, BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr,
-                     LIBDEVICE: tl.constexpr):  # fmt: skip
+def _swiglu_backward(
+    y_ptr, dh_ptr, dy_ptr, rows, F, BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr, LIBDEVICE: tl.constexpr
+):
     at_h, at_y, inside, v, g = _tile(y_ptr, rows, F, BLOCK_ROWS, BLOCK_COLUMNS)
     dh = tl.load(dh_ptr + at_h, mask=inside, other=0.0)
     s = _sigmoid(g, LIBDEVICE)

@@ -33,6 +33,7 @@ from . import autotune
 from .context import on_device
 from .split import round_tf32, split_bf16x3
 
+
 @triton.jit
 def _round_tf32(x):
     """RNA to TF32 by bits (measured faster than inline ``cvt.rna`` on H200); a finite
@@ -95,15 +96,33 @@ def _load_w(w_ptr, w_desc, word, rn, kk, col0, k0, N, KP, TMA: tl.constexpr):
     columns that are never stored."""
     if TMA:
         return w_desc.load([word * N + col0, k0]).T
-    return tl.load(w_ptr + word * N * KP + rn[None, :] * KP + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < KP), other=0.0)
+    return tl.load(
+        w_ptr + word * N * KP + rn[None, :] * KP + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < KP), other=0.0
+    )
 
 
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
-    x_ptr, x_desc, w_ptr, w_desc, bias_ptr, y_ptr, M, N, K, KP, stride_xm, stride_ym,
-    WORDS: tl.constexpr, TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    x_desc,
+    w_ptr,
+    w_desc,
+    bias_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    KP,
+    stride_xm,
+    stride_ym,
+    WORDS: tl.constexpr,
+    TMA: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
     # grouped tile order: GROUP_M row-tiles in a row share the W tiles in L2
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BM)
@@ -166,8 +185,12 @@ def tile_candidates(n: int, k: int) -> list[dict]:
     """What :mod:`.autotune` tries for (n, k): :func:`tile_config` first (measured best on
     H200 for PET's shapes), then deeper pipelines and smaller tiles, all with its K-tile."""
     base = tile_config(n, k)
-    variants = [base, dict(base, num_stages=4), dict(base, BM=64, num_warps=4, num_stages=4),
-                dict(base, BN=max(16, base["BN"] // 2), num_warps=4, num_stages=4)]  # fmt: skip
+    variants = [
+        base,
+        dict(base, num_stages=4),
+        dict(base, BM=64, num_warps=4, num_stages=4),
+        dict(base, BN=max(16, base["BN"] // 2), num_warps=4, num_stages=4),
+    ]
     return [c for i, c in enumerate(variants) if c not in variants[:i]]
 
 
@@ -235,10 +258,23 @@ def launch(x: torch.Tensor, gemm: Gemm, bias: torch.Tensor | None = None) -> tor
     grid = (triton.cdiv(m, config["BM"]) * gemm.tiles_n,)
     with on_device(x.device):
         _linear_kernel[grid](
-            x, x_desc, gemm.words, gemm.descriptor if tma else None, bias if bias is not None else y, y,
-            m, n, k, kp, x.stride(0), y.stride(0),
-            WORDS=words, TMA=tma, HAS_BIAS=bias is not None, **config,
-        )  # fmt: skip
+            x,
+            x_desc,
+            gemm.words,
+            gemm.descriptor if tma else None,
+            bias if bias is not None else y,
+            y,
+            m,
+            n,
+            k,
+            kp,
+            x.stride(0),
+            y.stride(0),
+            WORDS=words,
+            TMA=tma,
+            HAS_BIAS=bias is not None,
+            **config,
+        )
     return y
 
 
@@ -298,7 +334,9 @@ class TritonBackend:
         """Words of ``weight`` [N, K] and of its transpose, each [WORDS, rows, KP]."""
         weight = weight.detach().float().contiguous()
         finite = bool(torch.isfinite(weight).all())
-        return Prepared(weight, self.gemm(weight, finite, tune=True), self.gemm(weight.T.contiguous(), finite, tune=True))
+        return Prepared(
+            weight, self.gemm(weight, finite, tune=True), self.gemm(weight.T.contiguous(), finite, tune=True)
+        )
 
     def forward(self, x: torch.Tensor, prepared: Prepared, bias: torch.Tensor | None) -> torch.Tensor:
         if x.shape[0] < prepared.forward.min_rows:

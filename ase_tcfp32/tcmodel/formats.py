@@ -23,9 +23,9 @@ class Format:
 
     @property
     def max(self) -> float:
-        top = 2.0 - 2.0 ** -self.fraction
+        top = 2.0 - 2.0**-self.fraction
         if self.finite_only:  # e4m3: the all-ones significand at emax is NaN
-            top -= 2.0 ** -self.fraction
+            top -= 2.0**-self.fraction
         return float(np.ldexp(top, self.emax))
 
 

@@ -39,7 +39,9 @@ class TensorCore:
         try:
             return self.formats[in_fmt]
         except KeyError:
-            raise ValueError(f"{self.name} tensor cores take no {in_fmt!r} inputs; they take {', '.join(self.formats)}") from None
+            raise ValueError(
+                f"{self.name} tensor cores take no {in_fmt!r} inputs; they take {', '.join(self.formats)}"
+            ) from None
 
 
 def _ampere_like(name: str, fp8: bool = False) -> TensorCore:
@@ -49,7 +51,9 @@ def _ampere_like(name: str, fp8: bool = False) -> TensorCore:
         "tf32": BlockParams(4, 1, -132, -20),
     }
     if fp8:
-        formats.update(e4m3=BlockParams(16, -10, -132, -20, out_fraction=13), e5m2=BlockParams(16, -10, -132, -20, out_fraction=13))
+        formats.update(
+            e4m3=BlockParams(16, -10, -132, -20, out_fraction=13), e5m2=BlockParams(16, -10, -132, -20, out_fraction=13)
+        )
     return TensorCore(name, formats)
 
 
@@ -72,7 +76,15 @@ PRESETS = {
     "H100": _hopper_like("H100", fp8_fraction=13),
     "B200": _hopper_like("B200", fp8_fraction=25),
 }
-ALIASES = {"A2": "A100", "A30": "A100", "A40": "Ada", "L40S": "Ada", "RTX1000": "Ada", "H200": "H100", "RTXPRO6000": "B200"}
+ALIASES = {
+    "A2": "A100",
+    "A30": "A100",
+    "A40": "Ada",
+    "L40S": "Ada",
+    "RTX1000": "Ada",
+    "H200": "H100",
+    "RTXPRO6000": "B200",
+}
 
 
 def tensor_core(gpu: str | TensorCore) -> TensorCore:

@@ -72,7 +72,9 @@ def run_jobs(function, tasks: list[tuple], jobs: int) -> list:
     workers = min(jobs, len(tasks))
     context = multiprocessing.get_context("spawn")
     threads = max(1, torch.get_num_threads() // workers)
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=torch.set_num_threads, initargs=(threads,)) as pool:
+    with ProcessPoolExecutor(
+        workers, mp_context=context, initializer=torch.set_num_threads, initargs=(threads,)
+    ) as pool:
         return list(pool.map(function, *zip(*tasks)))
 
 

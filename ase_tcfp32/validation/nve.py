@@ -12,8 +12,21 @@ from .common import calculator, environment, run_jobs, table, write
 from .systems import water_box
 
 
-def run(model: str, precisions: list[str], device=None, out="validation", engine="auto", ps=30.0, timestep_fs=0.5,
-        molecules=64, temperature_K=300.0, seed=0, every=10, jobs=1, noise=1e-6) -> dict:  # fmt: skip
+def run(
+    model: str,
+    precisions: list[str],
+    device=None,
+    out="validation",
+    engine="auto",
+    ps=30.0,
+    timestep_fs=0.5,
+    molecules=64,
+    temperature_K=300.0,
+    seed=0,
+    every=10,
+    jobs=1,
+    noise=1e-6,
+) -> dict:
     """NVE of a water box (``molecules`` H2O) for ``ps`` picoseconds from the same start;
     ``jobs`` > 1 runs the trajectories in that many processes at once.
 
@@ -35,24 +48,51 @@ def run(model: str, precisions: list[str], device=None, out="validation", engine
     tasks = [(model, precision, device, engine, atoms, steps, timestep_fs, every) for _, precision, atoms in runs]
     traces, rows = dict(zip([name for name, _, _ in runs], run_jobs(_trajectory, tasks, jobs))), []
     for precision, (t, e) in traces.items():
-        (slope, intercept), cov = np.polyfit(t, e, 1, cov=True) if len(t) > 3 else ((np.nan, np.nan), np.full((2, 2), np.nan))
-        rows.append({
-            "precision": precision, "drift_eV_atom_ps": float(slope), "drift_stderr": float(np.sqrt(cov[0, 0])),
-            "fluctuation_eV_atom": float(np.std(e - (slope * t + intercept))), "finite": bool(np.all(np.isfinite(e))),
-        })  # fmt: skip
+        (slope, intercept), cov = (
+            np.polyfit(t, e, 1, cov=True) if len(t) > 3 else ((np.nan, np.nan), np.full((2, 2), np.nan))
+        )
+        rows.append(
+            {
+                "precision": precision,
+                "drift_eV_atom_ps": float(slope),
+                "drift_stderr": float(np.sqrt(cov[0, 0])),
+                "fluctuation_eV_atom": float(np.std(e - (slope * t + intercept))),
+                "finite": bool(np.all(np.isfinite(e))),
+            }
+        )
     fp32_drifts = [abs(r["drift_eV_atom_ps"]) for r in rows if r["precision"] in ("fp32", "fp32 noise")]
     for row in rows:
         if fp32_drifts and row["precision"] not in ("fp32", "fp32 noise", "tf32"):
             bound = 2 * max(fp32_drifts) + 2 * row["drift_stderr"]
             row["passed"] = bool(row["finite"] and abs(row["drift_eV_atom_ps"]) <= bound)
     figure = _plot(traces)
-    results = write(out, "nve", {
-        "model": model, "environment": environment(device, engine), "atoms": len(start), "ps": ps, "timestep_fs": timestep_fs,
-        "rows": rows, "traces": {p: {"t_ps": t.tolist(), "e_tot_eV_atom": e.tolist()} for p, (t, e) in traces.items()},
-    }, figure)  # fmt: skip
+    results = write(
+        out,
+        "nve",
+        {
+            "model": model,
+            "environment": environment(device, engine),
+            "atoms": len(start),
+            "ps": ps,
+            "timestep_fs": timestep_fs,
+            "rows": rows,
+            "traces": {p: {"t_ps": t.tolist(), "e_tot_eV_atom": e.tolist()} for p, (t, e) in traces.items()},
+        },
+        figure,
+    )
     print(f"NVE, {len(start)} water atoms, {ps} ps at {timestep_fs} fs")
-    print(table(rows, [("precision", "precision", "s"), ("drift_eV_atom_ps", "drift (eV/atom/ps)", ".2e"),
-                       ("drift_stderr", "+-", ".1e"), ("fluctuation_eV_atom", "fluct. (eV/atom)", ".2e"), ("passed", "pass", "")]))  # fmt: skip
+    print(
+        table(
+            rows,
+            [
+                ("precision", "precision", "s"),
+                ("drift_eV_atom_ps", "drift (eV/atom/ps)", ".2e"),
+                ("drift_stderr", "+-", ".1e"),
+                ("fluctuation_eV_atom", "fluct. (eV/atom)", ".2e"),
+                ("passed", "pass", ""),
+            ],
+        )
+    )
     return results
 
 

@@ -26,8 +26,9 @@ QUICK = {
 """Small settings for CI and laptops: the same tests on systems of tens of atoms."""
 
 
-def run(test: str, model: str, precisions: list[str], device=None, out="validation", quick=False,
-        engine="auto", **options) -> dict:  # fmt: skip
+def run(
+    test: str, model: str, precisions: list[str], device=None, out="validation", quick=False, engine="auto", **options
+) -> dict:
     """Run one test by name (``single-point``, ``smoothness``, ``nve``, ``relax``, ``speed``)
     with the calculators in ``engine`` (``TCPETCalculator(engine=...)``)."""
     if test not in TESTS:
@@ -36,11 +37,14 @@ def run(test: str, model: str, precisions: list[str], device=None, out="validati
     return TESTS[test](model, precisions, device=device, out=out, engine=engine, **settings)
 
 
-def run_all(model: str, precisions: list[str], device=None, out="validation", quick=False, options=None,
-            engine="auto") -> dict:  # fmt: skip
+def run_all(
+    model: str, precisions: list[str], device=None, out="validation", quick=False, options=None, engine="auto"
+) -> dict:
     """Every test, then ``report.md`` in ``out``; ``options`` maps test names to settings."""
     options = options or {}
-    results = {name: run(name, model, precisions, device, out, quick, engine, **options.get(name, {})) for name in TESTS}
+    results = {
+        name: run(name, model, precisions, device, out, quick, engine, **options.get(name, {})) for name in TESTS
+    }
     Path(out, "report.md").write_text(markdown(results, model, environment(device, engine)))
     return results
 
@@ -63,7 +67,10 @@ def _verdict(rows) -> str:
 
 
 def markdown(results: dict, model: str, env: dict) -> str:
-    lines = ["# Validation report\n", f"Model: `{model}`. Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()) + ".\n"]
+    lines = [
+        "# Validation report\n",
+        f"Model: `{model}`. Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()) + ".\n",
+    ]
     for name, result in results.items():
         lines.append(f"## {name}\n")
         lines.append(f"![{name}]({name}.png)\n")

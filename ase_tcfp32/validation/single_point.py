@@ -32,7 +32,9 @@ def _prefixed(prefix, result, reference, n_atoms) -> dict:
     return {f"{prefix}_{k}": v for k, v in _errors(result, reference, n_atoms).items()}
 
 
-def run(model: str, precisions: list[str], device=None, out="validation", engine="auto", molecules=(64, 5760), seed=0) -> dict:
+def run(
+    model: str, precisions: list[str], device=None, out="validation", engine="auto", molecules=(64, 5760), seed=0
+) -> dict:
     """Single points of water boxes (``molecules`` H2O each, 1 g/cm³).
 
     FP32's noise floor: the largest of FP32's difference to itself on a repeat run (GPU
@@ -61,7 +63,9 @@ def run(model: str, precisions: list[str], device=None, out="validation", engine
         floor = max(noise["force_rms"], fp32_vs_fp64.get("vs_fp64_force_rms", 0.0), 1e-12)
         rows = [{"precision": "fp32 noise", **{f"vs_fp32_{k}": v for k, v in noise.items()}}]
         rows.append({"precision": "fp32", **fp32_vs_fp64})
-        for precision in tqdm([p for p in precisions if p != "fp32"], desc=f"single points, {len(atoms)} atoms", leave=False):
+        for precision in tqdm(
+            [p for p in precisions if p != "fp32"], desc=f"single points, {len(atoms)} atoms", leave=False
+        ):
             result = _evaluate(calculator(model, precision, device, engine), atoms)
             row = {"precision": precision}
             row.update(_prefixed("vs_fp32", result, ref32, len(atoms)))
@@ -72,15 +76,25 @@ def run(model: str, precisions: list[str], device=None, out="validation", engine
         systems.append({"atoms": len(atoms), "noise_floor_force_rms": floor, "rows": rows})
 
     figure = _plot(systems)
-    results = write(out, "single-point", {"model": model, "environment": environment(device, engine), "systems": systems}, figure)
+    results = write(
+        out, "single-point", {"model": model, "environment": environment(device, engine), "systems": systems}, figure
+    )
     for system in systems:
         print(f"single point, {system['atoms']} water atoms")
-        print(table(system["rows"], [
-            ("precision", "precision", "s"), ("vs_fp32_energy_per_atom", "dE/atom vs fp32", ".2e"),
-            ("vs_fp32_force_rms", "F rms vs fp32", ".2e"), ("vs_fp32_force_max", "F max vs fp32", ".2e"),
-            ("vs_fp64_force_rms", "F rms vs fp64", ".2e"), ("vs_fp64_stress_max", "stress vs fp64", ".2e"),
-            ("passed", "pass", ""),
-        ]))  # fmt: skip
+        print(
+            table(
+                system["rows"],
+                [
+                    ("precision", "precision", "s"),
+                    ("vs_fp32_energy_per_atom", "dE/atom vs fp32", ".2e"),
+                    ("vs_fp32_force_rms", "F rms vs fp32", ".2e"),
+                    ("vs_fp32_force_max", "F max vs fp32", ".2e"),
+                    ("vs_fp64_force_rms", "F rms vs fp64", ".2e"),
+                    ("vs_fp64_stress_max", "stress vs fp64", ".2e"),
+                    ("passed", "pass", ""),
+                ],
+            )
+        )
     return results
 
 

@@ -19,7 +19,17 @@ def roughness(energies: np.ndarray, exact: np.ndarray) -> float:
     return float(np.sqrt(np.mean(np.diff(energies - exact, 2) ** 2)))
 
 
-def run(model: str, precisions: list[str], device=None, out="validation", engine="auto", start=1.2, step=0.081, points=60, size=(3, 3, 4)) -> dict:
+def run(
+    model: str,
+    precisions: list[str],
+    device=None,
+    out="validation",
+    engine="auto",
+    start=1.2,
+    step=0.081,
+    points=60,
+    size=(3, 3, 4),
+) -> dict:
     """Pull CO rigidly from ``start`` Å above the top Pt in ``points`` steps of ``step`` Å.
 
     Pass: each FP32-accurate precision's roughness (against FP64) <= 2 x FP32's.
@@ -48,13 +58,31 @@ def run(model: str, precisions: list[str], device=None, out="validation", engine
                 row["passed"] = bool(row["roughness"] <= 2 * reference)
         rows.append(row)
     figure = _plot(heights, curves, exact)
-    results = write(out, "smoothness", {
-        "model": model, "environment": environment(device, engine), "heights": heights.tolist(),
-        "energies": {p: e.tolist() for p, e in curves.items()}, "energies_fp64": exact.tolist(), "rows": rows,
-    }, figure)  # fmt: skip
+    results = write(
+        out,
+        "smoothness",
+        {
+            "model": model,
+            "environment": environment(device, engine),
+            "heights": heights.tolist(),
+            "energies": {p: e.tolist() for p, e in curves.items()},
+            "energies_fp64": exact.tolist(),
+            "rows": rows,
+        },
+        figure,
+    )
     print(f"CO/Pt(111) pull-off, {len(slab)} atoms, {points} heights")
-    print(table(rows, [("precision", "precision", "s"), ("roughness", "roughness vs fp64 (eV)", ".2e"),
-                       ("max_dev_from_fp32", "max |E - E_fp32| (eV)", ".2e"), ("passed", "pass", "")]))  # fmt: skip
+    print(
+        table(
+            rows,
+            [
+                ("precision", "precision", "s"),
+                ("roughness", "roughness vs fp64 (eV)", ".2e"),
+                ("max_dev_from_fp32", "max |E - E_fp32| (eV)", ".2e"),
+                ("passed", "pass", ""),
+            ],
+        )
+    )
     return results
 
 

@@ -38,7 +38,16 @@ def _step_times(calc, atoms, warmup: int, repeats: int, device) -> list[float]:
     return times
 
 
-def run(model: str, precisions: list[str], device=None, out="validation", engine="auto", molecules=(64, 5760), warmup=3, repeats=10) -> dict:
+def run(
+    model: str,
+    precisions: list[str],
+    device=None,
+    out="validation",
+    engine="auto",
+    molecules=(64, 5760),
+    warmup=3,
+    repeats=10,
+) -> dict:
     """Median time per energy+forces call of water boxes; speed-up vs FP32 of the same run."""
     systems = []
     for n_mol in molecules:
@@ -49,8 +58,12 @@ def run(model: str, precisions: list[str], device=None, out="validation", engine
             if calc.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             times = _step_times(calc, atoms, warmup, repeats, device)
-            row = {"precision": precision, "backend": calc.backend, "ms": 1000 * float(np.median(times)),
-                   "ms_min": 1000 * float(np.min(times))}  # fmt: skip
+            row = {
+                "precision": precision,
+                "backend": calc.backend,
+                "ms": 1000 * float(np.median(times)),
+                "ms_min": 1000 * float(np.min(times)),
+            }
             if calc.device.type == "cuda":
                 row["peak_GB"] = torch.cuda.max_memory_allocated() / 1e9
             rows.append(row)
@@ -60,12 +73,32 @@ def run(model: str, precisions: list[str], device=None, out="validation", engine
             row["speedup"] = base / row["ms"] if base else None
         systems.append({"atoms": len(atoms), "rows": rows})
     figure = _plot(systems)
-    results = write(out, "speed", {"model": model, "environment": environment(device, engine), "warmup": warmup,
-                                   "repeats": repeats, "systems": systems}, figure)  # fmt: skip
+    results = write(
+        out,
+        "speed",
+        {
+            "model": model,
+            "environment": environment(device, engine),
+            "warmup": warmup,
+            "repeats": repeats,
+            "systems": systems,
+        },
+        figure,
+    )
     for system in systems:
         print(f"speed, {system['atoms']} water atoms (median of {repeats})")
-        print(table(system["rows"], [("precision", "precision", "s"), ("backend", "backend", "s"), ("ms", "ms/step", ".2f"),
-                                     ("speedup", "vs fp32", ".2f"), ("peak_GB", "peak GB", ".1f")]))  # fmt: skip
+        print(
+            table(
+                system["rows"],
+                [
+                    ("precision", "precision", "s"),
+                    ("backend", "backend", "s"),
+                    ("ms", "ms/step", ".2f"),
+                    ("speedup", "vs fp32", ".2f"),
+                    ("peak_GB", "peak GB", ".1f"),
+                ],
+            )
+        )
     return results
 
 

@@ -49,8 +49,21 @@ def _scores_gradient(p, do, v):
 
 
 @triton.jit(do_not_specialize=["B", "T"])
-def _backward_dq(qkv_ptr, mask_ptr, grad_out_ptr, grad_qkv_ptr, grad_mask_ptr, B, T, scale,
-                 H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+def _backward_dq(
+    qkv_ptr,
+    mask_ptr,
+    grad_out_ptr,
+    grad_qkv_ptr,
+    grad_mask_ptr,
+    B,
+    T,
+    scale,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
     row, real, bias, offsets, same = _program_block(mask_ptr, B, T, BLOCK)
     C: tl.constexpr = H * D
     x, io = _columns(row, real, 0, 3 * C, D, DP)  # one chunk, padded (the package's layout when measured)
@@ -66,8 +79,20 @@ def _backward_dq(qkv_ptr, mask_ptr, grad_out_ptr, grad_qkv_ptr, grad_mask_ptr, B
 
 
 @triton.jit(do_not_specialize=["B", "T"])
-def _backward_dkdv(qkv_ptr, mask_ptr, grad_out_ptr, grad_qkv_ptr, B, T, scale,
-                   H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+def _backward_dkdv(
+    qkv_ptr,
+    mask_ptr,
+    grad_out_ptr,
+    grad_qkv_ptr,
+    B,
+    T,
+    scale,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
     row, real, bias, _, _ = _program_block(mask_ptr, B, T, BLOCK)
     C: tl.constexpr = H * D
     x, io = _columns(row, real, 0, 3 * C, D, DP)
@@ -99,12 +124,16 @@ def _head_block(B, T, H: tl.constexpr, BLOCK: tl.constexpr):
 def _block_bias(mask_ptr, atom0, seq, tok, real, T):
     TT = T * T
     same = (seq[:, None] == seq[None, :]) & real[:, None] & real[None, :]
-    bias = tl.load(mask_ptr + atom0 * TT + (seq[:, None] * TT + tok[:, None] * T + tok[None, :]), mask=same, other=float("-inf"))
+    bias = tl.load(
+        mask_ptr + atom0 * TT + (seq[:, None] * TT + tok[:, None] * T + tok[None, :]), mask=same, other=float("-inf")
+    )
     return tl.where(real[:, None], bias, 0.0)
 
 
 @triton.jit(do_not_specialize=["B", "T"])
-def _forward_per_head(qkv_ptr, mask_ptr, out_ptr, B, T, scale, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr):
+def _forward_per_head(
+    qkv_ptr, mask_ptr, out_ptr, B, T, scale, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr
+):
     h, r, seq, tok, atom0, real = _head_block(B, T, H, BLOCK)
     C: tl.constexpr = H * D
     bias = _block_bias(mask_ptr, atom0, seq, tok, real, T)
@@ -121,8 +150,20 @@ def _forward_per_head(qkv_ptr, mask_ptr, out_ptr, B, T, scale, H: tl.constexpr, 
 
 
 @triton.jit(do_not_specialize=["B", "T"])
-def _backward_per_head(qkv_ptr, mask_ptr, grad_out_ptr, grad_qkv_ptr, parts_ptr, B, T, scale,
-           H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr):
+def _backward_per_head(
+    qkv_ptr,
+    mask_ptr,
+    grad_out_ptr,
+    grad_qkv_ptr,
+    parts_ptr,
+    B,
+    T,
+    scale,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     h, r, seq, tok, atom0, real = _head_block(B, T, H, BLOCK)
     C: tl.constexpr = H * D
     TT = T * T
@@ -141,7 +182,11 @@ def _backward_per_head(qkv_ptr, mask_ptr, grad_out_ptr, grad_qkv_ptr, parts_ptr,
     tl.store(gbase + 2 * C + (r[:, None] * (3 * C) + d[None, :]), _dot3(tl.trans(p), do), mask=io)
     ds = _scores_gradient(p, do, v)
     same = (seq[:, None] == seq[None, :]) & real[:, None] & real[None, :]
-    tl.store(parts_ptr + h.to(tl.int64) * B * TT + atom0 * TT + (seq[:, None] * TT + tok[:, None] * T + tok[None, :]), ds, mask=same)
+    tl.store(
+        parts_ptr + h.to(tl.int64) * B * TT + atom0 * TT + (seq[:, None] * TT + tok[:, None] * T + tok[None, :]),
+        ds,
+        mask=same,
+    )
     ds = ds * scale
     tl.store(gbase + (r[:, None] * (3 * C) + d[None, :]), _dot3(ds, k), mask=io)
     tl.store(gbase + C + (r[:, None] * (3 * C) + d[None, :]), _dot3(tl.trans(ds), q), mask=io)
@@ -151,8 +196,19 @@ def per_head_forward(qkv, mask, heads, scale):
     atoms, tokens, width = qkv.shape
     head_dim = width // (3 * heads)
     out = qkv.new_empty(atoms, tokens, heads * head_dim)
-    _forward_per_head[(triton.cdiv(atoms, 64 // tokens) * heads,)](qkv, mask, out, atoms, tokens, scale, H=heads, D=head_dim,
-                                                                   DP=fused.padded_columns(head_dim), BLOCK=64, num_warps=4)  # fmt: skip
+    _forward_per_head[(triton.cdiv(atoms, 64 // tokens) * heads,)](
+        qkv,
+        mask,
+        out,
+        atoms,
+        tokens,
+        scale,
+        H=heads,
+        D=head_dim,
+        DP=fused.padded_columns(head_dim),
+        BLOCK=64,
+        num_warps=4,
+    )
     return out
 
 
@@ -160,9 +216,21 @@ def per_head_backward(grad_out, qkv, mask, heads, scale):
     atoms, tokens, width = qkv.shape
     head_dim = width // (3 * heads)
     grad_qkv, parts = torch.empty_like(qkv), qkv.new_empty(heads, *mask.shape)
-    _backward_per_head[(triton.cdiv(atoms, 64 // tokens) * heads,)](qkv, mask, grad_out, grad_qkv, parts, atoms, tokens, scale,
-                                                                    H=heads, D=head_dim, DP=fused.padded_columns(head_dim),
-                                                                    BLOCK=64, num_warps=4)  # fmt: skip
+    _backward_per_head[(triton.cdiv(atoms, 64 // tokens) * heads,)](
+        qkv,
+        mask,
+        grad_out,
+        grad_qkv,
+        parts,
+        atoms,
+        tokens,
+        scale,
+        H=heads,
+        D=head_dim,
+        DP=fused.padded_columns(head_dim),
+        BLOCK=64,
+        num_warps=4,
+    )
     return grad_qkv, parts.sum(0)
 
 
@@ -177,8 +245,14 @@ def padded_forward(qkv, mask, heads, scale):
 
 def split_backward(grad_out, qkv, mask, heads, scale, launch):
     atoms, tokens, head_dim, grid, constants = fused.launch_shape(qkv, mask, heads, launch)
-    constants = dict(H=heads, D=head_dim, DP=fused.padded_columns(head_dim), BLOCK=constants["BLOCK"],
-                     STAGES=constants["STAGES"], num_warps=constants["num_warps"])  # fmt: skip
+    constants = dict(
+        H=heads,
+        D=head_dim,
+        DP=fused.padded_columns(head_dim),
+        BLOCK=constants["BLOCK"],
+        STAGES=constants["STAGES"],
+        num_warps=constants["num_warps"],
+    )
     grad_qkv, grad_mask = torch.empty_like(qkv), torch.empty_like(mask)
     _backward_dq[grid](qkv, mask, grad_out, grad_qkv, grad_mask, atoms, tokens, scale, **constants)
     _backward_dkdv[grid](qkv, mask, grad_out, grad_qkv, atoms, tokens, scale, **constants)
@@ -195,21 +269,38 @@ def compile_only() -> None:
     tail = {**scalars, **{k: "constexpr" for k in ("H", "D", "DP", "BLOCK", "STAGES")}}
     per_head = {**scalars, **{k: "constexpr" for k in ("H", "D", "DP", "BLOCK")}}
     package = {**scalars, **{k: "constexpr" for k in ("H", "D", "DA", "DB", "BLOCK", "STAGES")}}
-    kernels = [("package, forward", fused._attention_forward, {"qkv_ptr": "*fp32", "mask_ptr": "*fp32", "out_ptr": "*fp32", **package}, True),
-               ("package", fused._attention_backward, {**common, "grad_mask_ptr": "*fp32", **tail}, True),
-               ("split dQ", _backward_dq, {**common, "grad_mask_ptr": "*fp32", **tail}, True),
-               ("split dK dV", _backward_dkdv, {**common, **tail}, True),
-               ("per head, backward", _backward_per_head, {**common, "parts_ptr": "*fp32", **per_head}, False),
-               ("per head, forward", _forward_per_head, {"qkv_ptr": "*fp32", "mask_ptr": "*fp32", "out_ptr": "*fp32", **per_head}, False)]  # fmt: skip
+    kernels = [
+        (
+            "package, forward",
+            fused._attention_forward,
+            {"qkv_ptr": "*fp32", "mask_ptr": "*fp32", "out_ptr": "*fp32", **package},
+            True,
+        ),
+        ("package", fused._attention_backward, {**common, "grad_mask_ptr": "*fp32", **tail}, True),
+        ("split dQ", _backward_dq, {**common, "grad_mask_ptr": "*fp32", **tail}, True),
+        ("split dK dV", _backward_dkdv, {**common, **tail}, True),
+        ("per head, backward", _backward_per_head, {**common, "parts_ptr": "*fp32", **per_head}, False),
+        (
+            "per head, forward",
+            _forward_per_head,
+            {"qkv_ptr": "*fp32", "mask_ptr": "*fp32", "out_ptr": "*fp32", **per_head},
+            False,
+        ),
+    ]
     for head_dim in (32, 48):
         for name, kernel, signature, looped in kernels:
             launch = fused.config(40, head_dim, backward=kernel is not fused._attention_forward)
             constants = dict(H=8, D=head_dim, BLOCK=launch["BLOCK"])
             constants.update(STAGES=launch["STAGES"]) if looped else None
             first, rest = fused.head_columns(head_dim)
-            constants.update(DA=first, DB=rest) if kernel is fused._attention_forward else constants.update(DP=fused.padded_columns(head_dim))
-            compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants), target=TARGET,
-                                      options=dict(num_warps=launch["num_warps"]))  # fmt: skip
+            constants.update(DA=first, DB=rest) if kernel is fused._attention_forward else constants.update(
+                DP=fused.padded_columns(head_dim)
+            )
+            compiled = triton.compile(
+                ASTSource(kernel, signature, constexprs=constants),
+                target=TARGET,
+                options=dict(num_warps=launch["num_warps"]),
+            )
             print(f"heads of {head_dim}, {name}: {structure(compiled)}")
 
 
@@ -228,16 +319,26 @@ def measure(out: str | None) -> None:
         launch = fused.config(qkv.shape[1], qkv.shape[2] // (3 * HEADS), backward=True)
         expected = fused.forward(qkv, mask, HEADS, scale), *fused.backward(grad, qkv, mask, HEADS, scale)
         time = lambda f: do_bench(f, warmup=25, rep=200)  # noqa: E731
-        row = {"model": size, "atoms": atoms, "tokens": qkv.shape[1], "sdpa_fwd_ms": time(lambda: sdpa(qkv, mask, scale)),
-               "fused_fwd_ms": time(lambda: fused.forward(qkv, mask, HEADS, scale)),
-               "fused_bwd_ms": time(lambda: fused.backward(grad, qkv, mask, HEADS, scale)),
-               "split_bwd_ms": time(lambda: split_backward(grad, qkv, mask, HEADS, scale, launch)),
-               "per_head_fwd_ms": time(lambda: per_head_forward(qkv, mask, HEADS, scale)),
-               "per_head_bwd_ms": time(lambda: per_head_backward(grad, qkv, mask, HEADS, scale)),
-               "padded_fwd_ms": time(lambda: padded_forward(qkv, mask, HEADS, scale))}  # fmt: skip
-        for name, found in (("padded", (padded_forward(qkv, mask, HEADS, scale), *expected[1:])),
-                            ("split", (expected[0], *split_backward(grad, qkv, mask, HEADS, scale, launch))),
-                            ("per_head", (per_head_forward(qkv, mask, HEADS, scale), *per_head_backward(grad, qkv, mask, HEADS, scale)))):  # fmt: skip
+        row = {
+            "model": size,
+            "atoms": atoms,
+            "tokens": qkv.shape[1],
+            "sdpa_fwd_ms": time(lambda: sdpa(qkv, mask, scale)),
+            "fused_fwd_ms": time(lambda: fused.forward(qkv, mask, HEADS, scale)),
+            "fused_bwd_ms": time(lambda: fused.backward(grad, qkv, mask, HEADS, scale)),
+            "split_bwd_ms": time(lambda: split_backward(grad, qkv, mask, HEADS, scale, launch)),
+            "per_head_fwd_ms": time(lambda: per_head_forward(qkv, mask, HEADS, scale)),
+            "per_head_bwd_ms": time(lambda: per_head_backward(grad, qkv, mask, HEADS, scale)),
+            "padded_fwd_ms": time(lambda: padded_forward(qkv, mask, HEADS, scale)),
+        }
+        for name, found in (
+            ("padded", (padded_forward(qkv, mask, HEADS, scale), *expected[1:])),
+            ("split", (expected[0], *split_backward(grad, qkv, mask, HEADS, scale, launch))),
+            (
+                "per_head",
+                (per_head_forward(qkv, mask, HEADS, scale), *per_head_backward(grad, qkv, mask, HEADS, scale)),
+            ),
+        ):
             # relative differences from the package's output, dqkv and dmask
             row[f"{name}_difference"] = [((a - b).norm() / b.norm()).item() for a, b in zip(found, expected)]
         print(json.dumps(row), flush=True)
@@ -249,7 +350,9 @@ def measure(out: str | None) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--compile-only", action="store_true", help="offline sm_90 compile: registers, spills, shared memory")
+    parser.add_argument(
+        "--compile-only", action="store_true", help="offline sm_90 compile: registers, spills, shared memory"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     compile_only() if args.compile_only else measure(args.out)

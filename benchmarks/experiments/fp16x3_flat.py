@@ -44,7 +44,9 @@ from ase_tcfp32._kernels.triton_gemm import sm_count
 
 
 @gluon.jit
-def _store_tile(acc, ys, y_desc, scale_ptr, bias_ptr, N, off_m, off_n, cols_layout: gl.constexpr, HAS_BIAS: gl.constexpr):
+def _store_tile(
+    acc, ys, y_desc, scale_ptr, bias_ptr, N, off_m, off_n, cols_layout: gl.constexpr, HAS_BIAS: gl.constexpr
+):
     """``acc * scale (+ bias)`` into shared memory ``ys``, from where a TMA store writes
     the output tile at (off_m, off_n) while the consumers go on (TMA clips rows and
     columns past M, N)."""
@@ -62,14 +64,30 @@ def _store_tile(acc, ys, y_desc, scale_ptr, bias_ptr, N, off_m, off_n, cols_layo
 
 @gluon.jit
 def _flat_consumer(
-    xs, his, los, ready, empty, ys, y_desc, scale_ptr, bias_ptr, M, N, num_k,
-    HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
-):  # fmt: skip
+    xs,
+    his,
+    los,
+    ready,
+    empty,
+    ys,
+    y_desc,
+    scale_ptr,
+    bias_ptr,
+    M,
+    N,
+    num_k,
+    HAS_BIAS: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """Consumer warpgroups: K-tile j is split while j - 1 runs; j - 1 joins the FP32 sum
     with no wgmma in flight, j is issued, and when j - 1 ended a tile, that tile is stored."""
     BM: gl.constexpr = xs.shape[1]
     BN: gl.constexpr = his.shape[1]
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16]
+    )
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     rows_layout: gl.constexpr = gl.SliceLayout(1, mma)
     cols_layout: gl.constexpr = gl.SliceLayout(0, mma)
@@ -103,19 +121,51 @@ def _flat_consumer(
 
 @gluon.jit
 def _flat_kernel(
-    x_desc, hi_desc, lo_desc, y_desc, scale_ptr, bias_ptr, M, N,
-    HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr,
-):  # fmt: skip
+    x_desc,
+    hi_desc,
+    lo_desc,
+    y_desc,
+    scale_ptr,
+    bias_ptr,
+    M,
+    N,
+    HAS_BIAS: gl.constexpr,
+    STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """The package's ``_fp16x3_kernel`` with :func:`_flat_consumer` (same producer, ring)."""
     xs, his, los, ready, empty = ring(x_desc, hi_desc, lo_desc, STAGES)
     ys = gl.allocate_shared_memory(gl.float32, y_desc.block_type.shape, y_desc.layout)
     num_k = gl.cdiv(x_desc.shape[1], x_desc.block_type.shape[1])
     gl.warp_specialize(
-        [(_flat_consumer, (xs, his, los, ready, empty, ys, y_desc, scale_ptr, bias_ptr, M, N, num_k,
-                           HAS_BIAS, GROUP_M, STAGES, num_warps)),
-         (_loader, (x_desc, hi_desc, lo_desc, xs, his, los, ready, empty, M, N, GROUP_M, STAGES))],
-        [1], [24],
-    )  # fmt: skip
+        [
+            (
+                _flat_consumer,
+                (
+                    xs,
+                    his,
+                    los,
+                    ready,
+                    empty,
+                    ys,
+                    y_desc,
+                    scale_ptr,
+                    bias_ptr,
+                    M,
+                    N,
+                    num_k,
+                    HAS_BIAS,
+                    GROUP_M,
+                    STAGES,
+                    num_warps,
+                ),
+            ),
+            (_loader, (x_desc, hi_desc, lo_desc, xs, his, los, ready, empty, M, N, GROUP_M, STAGES)),
+        ],
+        [1],
+        [24],
+    )
 
 
 def launch(x: torch.Tensor, w: fp16x3.Words, config: dict) -> torch.Tensor:
@@ -127,10 +177,19 @@ def launch(x: torch.Tensor, w: fp16x3.Words, config: dict) -> torch.Tensor:
     tiles = -(-m // bm) * -(-n // bn)
     with on_device(x.device):
         _flat_kernel[(min(tiles, sm_count(x.device)),)](
-            descriptor(tma_ready(x, kp), [bm, bk]), descriptor(w.words[0], [bn, bk]), descriptor(w.words[1], [bn, bk]),
-            descriptor(y, [bm, bn]), w.scale, y, m, n,
-            HAS_BIAS=False, STAGES=config["STAGES"], GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
-        )  # fmt: skip
+            descriptor(tma_ready(x, kp), [bm, bk]),
+            descriptor(w.words[0], [bn, bk]),
+            descriptor(w.words[1], [bn, bk]),
+            descriptor(y, [bm, bn]),
+            w.scale,
+            y,
+            m,
+            n,
+            HAS_BIAS=False,
+            STAGES=config["STAGES"],
+            GROUP_M=config["GROUP_M"],
+            num_warps=config["num_warps"],
+        )
     return y if y.shape[1] == n else y[:, :n].contiguous()
 
 
@@ -152,8 +211,12 @@ def compile_offline() -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from compile_sm90 import compile_fp16x3, structure
 
-    for name, kernel, bk, stages in [("package", fp16x3._fp16x3_kernel, 32, 4), ("flat", _flat_kernel, 32, 4), ("flat", _flat_kernel, 64, 2),
-                                      ("package", fp16x3._fp16x3_kernel, 64, 2)]:
+    for name, kernel, bk, stages in [
+        ("package", fp16x3._fp16x3_kernel, 32, 4),
+        ("flat", _flat_kernel, 32, 4),
+        ("flat", _flat_kernel, 64, 2),
+        ("package", fp16x3._fp16x3_kernel, 64, 2),
+    ]:
         compiled = compile_fp16x3(kernel, dict(fp16x3.CONFIG, BK=bk, STAGES=stages))
         print(f"{name}, BK={bk}, {stages} stages:", structure(compiled), flush=True)
 
@@ -174,9 +237,15 @@ def ab(models: list[str], atoms: int, variants: list[str], tuning: bool) -> dict
             w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
             dy = torch.randn(m, n, device="cuda", generator=g)
             row = {"model": model, "layer": layer, "M": m, "K": k, "N": n}
-            row["cublas_fp32_ms"] = [do_bench(lambda: x @ w.T, return_mode="median"), do_bench(lambda: dy @ w, return_mode="median")]
+            row["cublas_fp32_ms"] = [
+                do_bench(lambda: x @ w.T, return_mode="median"),
+                do_bench(lambda: dy @ w, return_mode="median"),
+            ]
             xh, wh, dyh = x.half(), w.half(), dy.half()
-            row["cublas_fp16_ms"] = [do_bench(lambda: xh @ wh.T, return_mode="median"), do_bench(lambda: dyh @ wh, return_mode="median")]
+            row["cublas_fp16_ms"] = [
+                do_bench(lambda: xh @ wh.T, return_mode="median"),
+                do_bench(lambda: dyh @ wh, return_mode="median"),
+            ]
             head = slice(0, 16384)
             exact = (x[head].double() @ w.double().T, dy[head].double() @ w.double())
             forward, backward = fp16x3.split_weight(w), fp16x3.split_weight(w.T.contiguous())
@@ -187,25 +256,40 @@ def ab(models: list[str], atoms: int, variants: list[str], tuning: bool) -> dict
                 outputs = (run(x, forward, config=config), run(dy, backward, config=config))
                 reference = reference or outputs
                 row[name] = {
-                    "ms": [do_bench(lambda: run(x, forward, config=config), return_mode="median"),
-                           do_bench(lambda: run(dy, backward, config=config), return_mode="median")],
+                    "ms": [
+                        do_bench(lambda: run(x, forward, config=config), return_mode="median"),
+                        do_bench(lambda: run(dy, backward, config=config), return_mode="median"),
+                    ],
                     "same_bits": [torch.equal(o, r) for o, r in zip(outputs, reference)],
-                    "error_vs_fp64": [((o[head].double() - e).norm() / e.norm()).item() for o, e in zip(outputs, exact)],
-                }  # fmt: skip
+                    "error_vs_fp64": [
+                        ((o[head].double() - e).norm() / e.norm()).item() for o, e in zip(outputs, exact)
+                    ],
+                }
             fp32 = row["cublas_fp32_ms"]
             cells = [f"cuBLAS FP16 {fp32[0] / row['cublas_fp16_ms'][0]:.1f}/{fp32[1] / row['cublas_fp16_ms'][1]:.1f}x"]
-            cells += [f"{name} {fp32[0] / row[name]['ms'][0]:.2f}/{fp32[1] / row[name]['ms'][1]:.2f}x"
-                      + ("" if all(row[name]["same_bits"]) else " (other bits)") for name in variants]  # fmt: skip
+            cells += [
+                f"{name} {fp32[0] / row[name]['ms'][0]:.2f}/{fp32[1] / row[name]['ms'][1]:.2f}x"
+                + ("" if all(row[name]["same_bits"]) else " (other bits)")
+                for name in variants
+            ]
             if tuning:
                 rows = autotune.tuning_rows(n, k)
                 row["tuning"] = {"tuning_rows": rows, "candidates": fp16x3.CANDIDATES, "ms": {}}
                 for label, operands in [("tuning rows", (x[:rows], dy[:rows])), ("all rows", (x, dy))]:
                     row["tuning"]["ms"][label] = [
-                        [do_bench(lambda: fp16x3.launch(a, words, config=c), return_mode="median") for c in fp16x3.CANDIDATES]
+                        [
+                            do_bench(lambda: fp16x3.launch(a, words, config=c), return_mode="median")
+                            for c in fp16x3.CANDIDATES
+                        ]
                         for a, words in zip(operands, (forward, backward))
-                    ]  # fmt: skip
-                chosen = {label: [min(range(len(t)), key=t.__getitem__) for t in times] for label, times in row["tuning"]["ms"].items()}
-                cells.append(f"tuning candidate fwd/bwd on {rows} rows {chosen['tuning rows']}, on all {chosen['all rows']}")
+                    ]
+                chosen = {
+                    label: [min(range(len(t)), key=t.__getitem__) for t in times]
+                    for label, times in row["tuning"]["ms"].items()
+                }
+                cells.append(
+                    f"tuning candidate fwd/bwd on {rows} rows {chosen['tuning rows']}, on all {chosen['all rows']}"
+                )
             print(f"{model} {layer:26} {m}x{k}x{n}:", "; ".join(cells), flush=True)
             results["shapes"].append(row)
     return results
@@ -217,7 +301,11 @@ def main() -> None:
     parser.add_argument("--models", default="s,m")
     parser.add_argument("--atoms", type=int, default=17280)
     parser.add_argument("--out", default=None, help="write the A/B as JSON here")
-    parser.add_argument("--variants", default=";".join(VARIANTS), help="which of VARIANTS, ';'-separated (the first is the bits' reference)")
+    parser.add_argument(
+        "--variants",
+        default=";".join(VARIANTS),
+        help="which of VARIANTS, ';'-separated (the first is the bits' reference)",
+    )
     parser.add_argument("--no-tuning", action="store_true", help="skip the tuning candidates")
     args = parser.parse_args()
     if args.compile:

@@ -68,9 +68,18 @@ def _epilogue(acc, bias_ptr, N, off_m, off_n, y_desc, HAS_BIAS: gl.constexpr):
 
 @gluon.jit
 def _tf32x3_kernel(
-    x_desc, hi_desc, lo_desc, y_desc, bias_ptr, M, N,
-    HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr,
-):  # fmt: skip
+    x_desc,
+    hi_desc,
+    lo_desc,
+    y_desc,
+    bias_ptr,
+    M,
+    N,
+    HAS_BIAS: gl.constexpr,
+    STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BN: gl.constexpr = hi_desc.block_type.shape[0]
@@ -86,7 +95,9 @@ def _tf32x3_kernel(
     num_k = gl.cdiv(x_desc.shape[1], BK)
     for i in gl.static_range(STAGES - 1):
         if i < num_k:
-            copy_stage(x_desc, hi_desc, lo_desc, xs.index(i), his.index(i), los.index(i), ready.index(i), off_m, off_n, i * BK)
+            copy_stage(
+                x_desc, hi_desc, lo_desc, xs.index(i), his.index(i), los.index(i), ready.index(i), off_m, off_n, i * BK
+            )
 
     acc = gl.zeros((BM, BN), gl.float32, mma)  # FP32 running sum of the hi*hi tiles
     small = gl.zeros((BM, BN), gl.float32, mma)  # tensor-core sum of the corrections
@@ -100,7 +111,18 @@ def _tf32x3_kernel(
         nk = ki + STAGES - 1
         if nk < num_k:
             ns = nk % STAGES
-            copy_stage(x_desc, hi_desc, lo_desc, xs.index(ns), his.index(ns), los.index(ns), ready.index(ns), off_m, off_n, nk * BK)
+            copy_stage(
+                x_desc,
+                hi_desc,
+                lo_desc,
+                xs.index(ns),
+                his.index(ns),
+                los.index(ns),
+                ready.index(ns),
+                off_m,
+                off_n,
+                nk * BK,
+            )
     small = warpgroup_mma_wait(num_outstanding=0, deps=(small,))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -138,9 +160,18 @@ def _consumer(xs, his, los, ready, empty, num_k, STAGES: gl.constexpr, num_warps
 
 @gluon.jit
 def _tf32x3_ws_kernel(
-    x_desc, hi_desc, lo_desc, y_desc, bias_ptr, M, N,
-    HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr,
-):  # fmt: skip
+    x_desc,
+    hi_desc,
+    lo_desc,
+    y_desc,
+    bias_ptr,
+    M,
+    N,
+    HAS_BIAS: gl.constexpr,
+    STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """:func:`_tf32x3_kernel` with warp specialisation: a producer warp issues the TMA loads
     (no CTA barriers in the consumers' loop), the consumers wait on per-stage barriers."""
     BM: gl.constexpr = x_desc.block_type.shape[0]
@@ -150,10 +181,13 @@ def _tf32x3_ws_kernel(
     xs, his, los, ready, empty = ring(x_desc, hi_desc, lo_desc, STAGES)
     num_k = gl.cdiv(x_desc.shape[1], BK)
     (acc,) = gl.warp_specialize(
-        [(_consumer, (xs, his, los, ready, empty, num_k, STAGES, num_warps)),
-         (_loader, (x_desc, hi_desc, lo_desc, xs, his, los, ready, empty, off_m, off_n, STAGES))],
-        [1], [24],
-    )  # fmt: skip
+        [
+            (_consumer, (xs, his, los, ready, empty, num_k, STAGES, num_warps)),
+            (_loader, (x_desc, hi_desc, lo_desc, xs, his, los, ready, empty, off_m, off_n, STAGES)),
+        ],
+        [1],
+        [24],
+    )
     _epilogue(acc, bias_ptr, N, off_m, off_n, y_desc, HAS_BIAS)
 
 
@@ -180,9 +214,18 @@ def launch(x: torch.Tensor, gemm: Gemm, bias: torch.Tensor | None = None, config
     kernel = _tf32x3_ws_kernel if config["WS"] else _tf32x3_kernel
     with on_device(x.device):
         kernel[grid](
-            x_desc, hi_desc, lo_desc, y_desc, bias if bias is not None else y, m, n,
-            HAS_BIAS=bias is not None, STAGES=config["STAGES"], GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
-        )  # fmt: skip
+            x_desc,
+            hi_desc,
+            lo_desc,
+            y_desc,
+            bias if bias is not None else y,
+            m,
+            n,
+            HAS_BIAS=bias is not None,
+            STAGES=config["STAGES"],
+            GROUP_M=config["GROUP_M"],
+            num_warps=config["num_warps"],
+        )
     return y[:, :n]
 
 

@@ -16,13 +16,14 @@ import json
 import sys
 from pathlib import Path
 
+import gluon_tf32x3  # this folder's experiment
 import torch
 from triton.testing import do_bench
 
-import gluon_tf32x3  # this folder's experiment
 from ase_tcfp32._kernels import fp16x3
 from ase_tcfp32._kernels.triton_gemm import TritonBackend
 from ase_tcfp32.precision import ieee_fp32_matmul
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for gemm.py
 from gemm import environment  # noqa: E402
 
@@ -36,8 +37,15 @@ FP16X3_VARIANTS = {
     "fp16x3 128x128x32 s6": dict(BM=128, BN=128, BK=32, STAGES=6, GROUP_M=8, num_warps=8),
     "fp16x3 128x128x16 s6": dict(BM=128, BN=128, BK=16, STAGES=6, GROUP_M=8, num_warps=8),
 }
-SHAPES = [(673920, 768, 256), (673920, 256, 256), (691200, 256, 768), (691200, 256, 256), (673920, 256, 1024),
-          (673920, 512, 256), (673920, 512, 512)]  # fmt: skip
+SHAPES = [
+    (673920, 768, 256),
+    (673920, 256, 256),
+    (691200, 256, 768),
+    (691200, 256, 256),
+    (673920, 256, 1024),
+    (673920, 512, 256),
+    (673920, 512, 512),
+]
 """(M, K, N) of the 17,280-atom PET-S layers (benchmarks/gemm.py)."""
 
 
@@ -66,7 +74,6 @@ def main() -> None:
             row["cublas_tf32_ms"] = do_bench(lambda: torch.addmm(b, x, w.T), return_mode="median")
         xh, wh, bh = x.half(), w.half(), b.half()
         row["cublas_fp16_ms"] = do_bench(lambda: torch.addmm(bh, xh, wh.T), return_mode="median")
-        del xh
         row["triton_ms"] = do_bench(lambda: triton_backend.forward(x, prepared, b), return_mode="median")
         line = f"{m}x{k}x{n}: cuBLAS {row['cublas_fp32_ms']:.3f} ms, cuBLAS tf32 {row['cublas_fp32_ms'] / row['cublas_tf32_ms']:.2f}x, fp16 {row['cublas_fp32_ms'] / row['cublas_fp16_ms']:.2f}x, triton {row['cublas_fp32_ms'] / row['triton_ms']:.2f}x"
         words = fp16x3.split_weight(w)

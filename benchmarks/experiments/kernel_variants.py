@@ -31,10 +31,29 @@ def _split_exact(a):
 
 @triton.jit(do_not_specialize=["M"])
 def _variant_kernel(
-    x_ptr, x_desc, w_ptr, w2_ptr, whi_desc, wlo_desc, y_ptr, M, N, K, K2, stride_xm, stride_ym,
-    CHEAP: tl.constexpr, CONCAT: tl.constexpr, LAG: tl.constexpr, TMA: tl.constexpr, SPLIT_ACC: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    x_desc,
+    w_ptr,
+    w2_ptr,
+    whi_desc,
+    wlo_desc,
+    y_ptr,
+    M,
+    N,
+    K,
+    K2,
+    stride_xm,
+    stride_ym,
+    CHEAP: tl.constexpr,
+    CONCAT: tl.constexpr,
+    LAG: tl.constexpr,
+    TMA: tl.constexpr,
+    SPLIT_ACC: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
@@ -55,7 +74,9 @@ def _variant_kernel(
             a = x_desc.load([pid_m * BM, k0])
             b_hi = whi_desc.load([pid_n * BN, k0]).T
         else:
-            a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+            a = tl.load(
+                x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0
+            )
             b_hi = tl.load(w_ptr + rn[None, :] * K + kk[:, None], mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
         if CHEAP:
             hi, lo, hic = _split_tf32(a)  # the production split
@@ -74,7 +95,9 @@ def _variant_kernel(
             if TMA:
                 b_lo = wlo_desc.load([pid_n * BN, k0]).T
             else:
-                b_lo = tl.load(w_ptr + N * K + rn[None, :] * K + kk[:, None], mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
+                b_lo = tl.load(
+                    w_ptr + N * K + rn[None, :] * K + kk[:, None], mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0
+                )
             small = tl.dot(lo, b_hi, small, input_precision="tf32")
             small = tl.dot(hic, b_lo, small, input_precision="tf32")
         if not SPLIT_ACC:
@@ -132,10 +155,31 @@ def run(x, words, w2, variant):
     wlo = TensorDescriptor.from_tensor(words[1], [bn, bk]) if tma else None
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _variant_kernel[grid](
-        x, x_desc, words, w2, whi, wlo, y, m, n, k, w2.shape[1], x.stride(0), y.stride(0),
-        CHEAP=cheap, CONCAT=concat, LAG=lag, TMA=tma, SPLIT_ACC=split_acc, BM=bm, BN=bn, BK=bk, GROUP_M=8,
-        num_warps=8, num_stages=stages,
-    )  # fmt: skip
+        x,
+        x_desc,
+        words,
+        w2,
+        whi,
+        wlo,
+        y,
+        m,
+        n,
+        k,
+        w2.shape[1],
+        x.stride(0),
+        y.stride(0),
+        CHEAP=cheap,
+        CONCAT=concat,
+        LAG=lag,
+        TMA=tma,
+        SPLIT_ACC=split_acc,
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        GROUP_M=8,
+        num_warps=8,
+        num_stages=stages,
+    )
     return y
 
 
@@ -154,9 +198,21 @@ def bench(fn, reps=20) -> float:
 
 
 SHAPES = [  # large PET-S at 17,280 water atoms: (M, K, N), forward and backward
-    (673920, 768, 256), (673920, 256, 768), (673920, 256, 256), (691200, 256, 768), (691200, 768, 256),
-    (691200, 256, 256), (673920, 256, 1024), (673920, 1024, 256), (673920, 512, 256), (673920, 256, 512),
-    (673920, 512, 512), (17280, 1024, 4096), (17280, 4096, 1024), (17280, 2048, 1024), (17280, 1024, 2048),
+    (673920, 768, 256),
+    (673920, 256, 768),
+    (673920, 256, 256),
+    (691200, 256, 768),
+    (691200, 768, 256),
+    (691200, 256, 256),
+    (673920, 256, 1024),
+    (673920, 1024, 256),
+    (673920, 512, 256),
+    (673920, 256, 512),
+    (673920, 512, 512),
+    (17280, 1024, 4096),
+    (17280, 4096, 1024),
+    (17280, 2048, 1024),
+    (17280, 1024, 2048),
 ]
 
 
@@ -172,7 +228,7 @@ def main() -> None:
     for m, k, n in SHAPES:
         x = torch.randn(m, k, device="cuda")
         w = torch.randn(n, k, device="cuda") / k**0.5
-        ref = (x[:4096].double() @ w.double().T)
+        ref = x[:4096].double() @ w.double().T
         torch.backends.cuda.matmul.fp32_precision = "ieee"
         fp32 = bench(lambda: x @ w.T)
         err32 = float((x[:4096] @ w.T - ref).norm() / ref.norm())
@@ -190,7 +246,6 @@ def main() -> None:
                 cells.append(f"{type(exc).__name__[:13]:>13}")
         rows.append(row)
         print(f"{m:>8}x{k:>5}x{n:>5} {fp32:8.3f} " + " ".join(f"{c:>13}" for c in cells), flush=True)
-        del x, w
     if args.json:
         meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
         json.dump(dict(meta=meta, rows=rows), open(args.json, "w"), indent=1)

@@ -56,7 +56,10 @@ def main(out: str | None) -> None:
             sr = do_bench(lambda: torch.segment_reduce(x, "sum", offsets=first, axis=0), warmup=10, rep=100)
             ts = do_bench(lambda: segsum(x, first), warmup=10, rep=100)
             ref = x.double().new_zeros(n, *x.shape[1:]).index_add_(0, centers, x.double())
-            err = [((f - ref).abs().max() / ref.abs().max()).item() for f in (torch.segment_reduce(x, "sum", offsets=first, axis=0), segsum(x, first))]
+            err = [
+                ((f - ref).abs().max() / ref.abs().max()).item()
+                for f in (torch.segment_reduce(x, "sum", offsets=first, axis=0), segsum(x, first))
+            ]
             r = dict(atoms=n, pairs=e, C=C, index_add_ms=ia, segment_reduce_ms=sr, triton_ms=ts, errors=err)
             print(json.dumps(r), flush=True)
             rows.append(r)

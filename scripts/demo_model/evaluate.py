@@ -41,9 +41,15 @@ def nve(calc, ps: float) -> dict:
     start = time.perf_counter()
     dyn.run(int(ps * 2000))
     slope = float(np.polyfit(t, e, 1)[0])
-    return {"ps": ps, "drift_eV_atom_ps": slope, "max_dev_eV_atom": float(np.ptp(e)),
-            "mean_T_K": float(np.mean(temps)), "max_T_K": float(np.max(temps)), "finite": bool(np.all(np.isfinite(e))),
-            "s_per_step": (time.perf_counter() - start) / (ps * 2000)}  # fmt: skip
+    return {
+        "ps": ps,
+        "drift_eV_atom_ps": slope,
+        "max_dev_eV_atom": float(np.ptp(e)),
+        "mean_T_K": float(np.mean(temps)),
+        "max_T_K": float(np.max(temps)),
+        "finite": bool(np.all(np.isfinite(e))),
+        "s_per_step": (time.perf_counter() - start) / (ps * 2000),
+    }
 
 
 def relax(calc) -> dict:
@@ -52,8 +58,12 @@ def relax(calc) -> dict:
     atoms.calc = calc
     opt = FIRE(atoms, logfile=None)
     converged = opt.run(fmax=1e-3, steps=2000)
-    return {"atoms": len(atoms), "converged": bool(converged), "steps": opt.nsteps,
-            "final_fmax": float(np.linalg.norm(atoms.get_forces(), axis=1).max())}  # fmt: skip
+    return {
+        "atoms": len(atoms),
+        "converged": bool(converged),
+        "steps": opt.nsteps,
+        "final_fmax": float(np.linalg.norm(atoms.get_forces(), axis=1).max()),
+    }
 
 
 def main() -> None:

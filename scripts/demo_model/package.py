@@ -1,6 +1,6 @@
 """Save a trained metatrain PET checkpoint without its optimizer state, for shipping.
 
-    python scripts/demo_model/package.py model.ckpt ase_tcfp32/data/pet-demo-chgnet.ckpt
+python scripts/demo_model/package.py model.ckpt ase_tcfp32/data/pet-demo-chgnet.ckpt
 """
 
 import sys
