@@ -20,20 +20,27 @@ from typing import Protocol
 import torch
 from ase import Atoms
 
+from ._heads import Heads
 from ._lean import LeanPET, unsupported_reason
 from ._packed import unsupported_reason as packed_problem
 
 PROPERTIES = ("energy", "energies", "forces", "stress")
-"""What an engine computes (and what :meth:`Engine.compute` may be asked for)."""
+"""What an engine computes by default: energies, and forces and stress by autograd."""
+
+DIRECT = ("non_conservative_forces", "non_conservative_stress")
+"""What else :meth:`Engine.compute` may be asked for: the direct heads' forces and stress."""
 
 
 class Engine(Protocol):
     """What the calculator asks of an engine."""
 
     def compute(self, structures: list[Atoms], properties: Collection[str]) -> list[dict]:
-        """Per structure, float64 results in ASE units: ``energy`` (eV), ``energies`` [n]
-        (eV), ``forces`` [n, 3] (eV/Å) and, when ``"stress"`` is among ``properties``,
-        ``stress`` [3, 3] (eV/Å³, positive under tension) of each 3D-periodic structure."""
+        """Per structure, float64 results in ASE units: ``energy`` (eV) and ``energies``
+        [n] (eV); ``forces`` [n, 3] (eV/Å) when ``"forces"`` or ``"stress"`` is among
+        ``properties`` (an energy-only call runs no backward pass); ``stress`` [3, 3]
+        (eV/Å³, positive under tension) of each 3D-periodic structure when ``"stress"`` is;
+        and, when asked (:data:`DIRECT`), the direct heads' ``non_conservative_forces``
+        [n, 3] and ``non_conservative_stress`` [3, 3] (3D-periodic structures)."""
 
 
 ENGINES = ("auto", "metatomic", "lean", "graphs")
@@ -99,6 +106,7 @@ def make_engine(
     compile: bool = False,
     check_every: int = 0,
     packed: bool = False,
+    heads: Heads | None = None,
 ) -> tuple[Engine, str, str]:
     """The engine ``engine`` (one of :data:`ENGINES`) for the prepared ``pet`` on ``device``,
     the name of the one it runs, and why, in words.
@@ -108,6 +116,8 @@ def make_engine(
         :data:`LARGE_SKIN` elsewhere.
     :param packed: PET's attention runs on our kernels: the lean engines evaluate it on
         packed rows (:mod:`ase_tcfp32._packed`) unless the model is compiled.
+    :param heads: which of the model's outputs to read (:class:`ase_tcfp32._heads.Heads`:
+        variants, direct heads; default: the default energy and whichever direct heads exist).
     """
     check_engine(engine, device, low_memory)
     used, reason = choose_engine(pet, device, low_memory) if engine == "auto" else (engine, "chosen by the caller")
@@ -117,10 +127,12 @@ def make_engine(
     if used == "metatomic":
         from ._metatomic import MetatomicEngine
 
-        return MetatomicEngine(pet, device, skin), used, reason
+        return MetatomicEngine(pet, device, skin, heads.variants if heads else None), used, reason
     graph_atoms, large_skin = (sys.maxsize if used == "graphs" else 0), None
     if replays:
         graph_atoms, large_skin = GRAPH_ATOMS, (LARGE_SKIN if neighbor_skin is None else neighbor_skin)
     packed = packed and not compile and packed_problem(pet) is None
-    lean = LeanPET(pet, device, skin, graph_atoms, large_skin, compile=compile, check_every=check_every, packed=packed)
+    lean = LeanPET(
+        pet, device, skin, graph_atoms, large_skin, compile=compile, check_every=check_every, packed=packed, heads=heads
+    )
     return lean, used, reason

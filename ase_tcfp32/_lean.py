@@ -29,7 +29,6 @@ metatomic path to FP32 rounding (``tests/test_lean.py``).
 from __future__ import annotations
 
 import functools
-import warnings
 
 import numpy as np
 import torch
@@ -39,10 +38,10 @@ from . import _progress as progress
 from . import watchdog
 from ._compilation import compiled
 from ._graphs import Graph
+from ._heads import ENERGY, FORCE, STRESS, Heads, direct_output, readout_table
 from ._inputs import Kept, neighbor_table, packed_rows
-from ._kernels.context import INTERPRETED
+from ._kernels.context import cutoff_kernel_usable
 from ._neighbors import VIRIAL_BINS, PairTerms, Structures, VerletList, pair_vectors, round_up
-from .precision import triton_build_problem
 
 _FAR = 1.0e6
 """Distance given to the padding pairs: past every cutoff, so they weigh exactly zero."""
@@ -77,47 +76,6 @@ def unsupported_reason(pet: torch.nn.Module) -> str | None:
     return None
 
 
-def _per_type_energy(pet: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-atom energy scale and composition offset (eV) of every atomic type, indexed
-    by atomic number: what metatrain's scaler and composition model apply after PET."""
-    from metatomic.torch import ModelOutput, System
-
-    types = torch.tensor(pet.atomic_types, dtype=torch.int32)
-    dtype = next(pet.parameters()).dtype
-    positions = 10.0 * torch.arange(3 * len(types), dtype=dtype).reshape(-1, 3)  # isolated atoms
-    system = System(
-        types=types, positions=positions, cell=torch.zeros(3, 3, dtype=dtype), pbc=torch.zeros(3, dtype=torch.bool)
-    )
-    request = {"energy": ModelOutput(sample_kind="atom")}
-    scale = torch.zeros(int(types.max()) + 1, dtype=torch.float64)
-    offset = torch.zeros_like(scale)
-    block = pet.scaler.get_scales([system], request)["energy"].block()
-    scale[types[block.samples.column("atom").long()].long()] = block.values[:, 0].double()
-    for model in pet.additive_models:
-        if "energy" in model.outputs:
-            block = model([system], request)["energy"].block()
-            offset[types[block.samples.column("atom").long()].long()] += block.values[:, 0].double()
-    return scale, offset
-
-
-def cutoff_kernel_usable(device: torch.device) -> bool:
-    """Whether PET's adaptive-cutoff solver can run in our kernel on ``device`` (CUDA, or
-    CPU tensors under Triton's interpreter); on a GPU where Triton cannot build its
-    launchers, metatrain's torch code runs instead, with a warning saying why."""
-    if INTERPRETED:
-        return True
-    if device.type != "cuda":
-        return False
-    problem = triton_build_problem()
-    if problem is not None:
-        warnings.warn(
-            f"PET's adaptive cutoffs run in metatrain's torch code, slower: Triton cannot build its launchers "
-            f"here ({problem})",
-            stacklevel=3,
-        )
-    return problem is None
-
-
 class LeanPET:
     """Energy, forces and stress of a metatrain PET on plain tensors (see module doc).
 
@@ -133,6 +91,8 @@ class LeanPET:
     :param check_every: with graphs, every this many evaluations (the first included) run
         eagerly with every watched layer checked (:mod:`ase_tcfp32.watchdog`: a replayed
         graph runs no Python); 0: never.
+    :param heads: the heads to read (:class:`ase_tcfp32._heads.Heads`; default: the
+        model's default energy, and its direct heads where it has them).
     :param packed: evaluate PET on packed rows, without the table's padding
         (:mod:`ase_tcfp32._packed`: its attention on tensor cores; not with ``compile``).
     """
@@ -147,6 +107,7 @@ class LeanPET:
         compile: bool = False,
         check_every: int = 0,
         packed: bool = False,
+        heads: Heads | None = None,
     ):
         from metatrain.pet.modules import adaptive_cutoff, utilities
 
@@ -161,8 +122,7 @@ class LeanPET:
                 raise ValueError(f"packed rows cannot evaluate this model: {reason}")
         if graph_atoms and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not '{device}'")
-        scale, offset = _per_type_energy(pet)
-        self.scale, self.offset = scale.to(device), offset.to(device)  # float64: exact sums of large offsets
+        self.heads = (heads or Heads(pet)).to(device)  # scales and offsets in float64: exact sums of large offsets
         self.pet, self.device, self.graph_atoms = pet.to(device), device, graph_atoms
         self.backend = pet.backend
         self.dtype = next(pet.parameters()).dtype
@@ -280,56 +240,86 @@ class LeanPET:
         kept = self._kept_pairs(vectors, numbers.shape[0])
         return neighbor_table(kept, self.pairs, self.backend.species_to_species_index[numbers], columns)
 
-    def energy_terms(
-        self, vectors: torch.Tensor, cells: torch.Tensor, numbers: torch.Tensor, system: torch.Tensor
+    def predict(
+        self, vectors: torch.Tensor, cells: torch.Tensor, numbers: torch.Tensor, direct: tuple[str, ...]
     ) -> tuple:
-        """Per-atom energies [N] (eV, float64: PET's FP32 output, scaled and offset in
-        float64) and the sizes the step needed (a tensor [2]: the largest neighbor count and,
-        on packed rows, the kept pairs' number), for the pair ``vectors`` [capacity, 3] of
-        atoms of atomic ``numbers`` [N] in structures ``system`` [N] of ``cells`` [S, 3, 3]."""
+        """Per-atom energies [N] (eV, float64: PET's output, scaled and offset in float64),
+        the ``direct`` heads' per-atom predictions (float64, scaled; [N, 3] and [N, 9]) and
+        the sizes the step needed (a tensor [2]: the largest neighbor count and, on packed
+        rows, the kept pairs' number), for the pair ``vectors`` [capacity, 3] of atoms of
+        atomic ``numbers`` [N] in structures of ``cells`` [S, 3, 3]."""
+        heads = [self.heads[quantity] for quantity in (ENERGY, *direct)]
         if self.packed:
             from . import _packed
 
             species = self.backend.species_to_species_index[numbers]
             kept = self._kept_pairs(vectors, numbers.shape[0])
             inputs, most, total = packed_rows(kept, self.pairs, species, self.columns, self.rows)
-            predictions = _packed.energies(self.backend, inputs)
+            outputs = _packed.predictions(self.backend, inputs, [head.name for head in heads])
         else:
             batch, most = self.neighbor_table(vectors, numbers, self.columns)
             nodes, edges = self.backend.calculate_features(batch)
-            predictions = self.backend.predict(nodes, edges, batch, cells, system, ["energy"])[0]["energy"][0][:, 0]
+            factors, mask = batch["cutoff_factors"], batch["padding_mask"]
+            outputs = [readout_table(self.backend, head.name, nodes, edges, factors, mask) for head in heads]
             total = torch.zeros_like(most)
-        return predictions.double() * self.scale[numbers] + self.offset[numbers], torch.stack([most, total])
+        scaled = [
+            out.double() * head.scale[numbers][:, None] + head.offset[numbers][:, None]
+            for out, head in zip(outputs, heads)
+        ]
+        return scaled[0][:, 0], scaled[1:], torch.stack([most, total])
 
     def _step(
-        self, positions: torch.Tensor, cells: torch.Tensor, numbers: torch.Tensor, system: torch.Tensor, stress: bool
+        self,
+        positions: torch.Tensor,
+        cells: torch.Tensor,
+        numbers: torch.Tensor,
+        system: torch.Tensor,
+        grad: bool,
+        stress: bool,
+        direct: tuple[str, ...],
     ) -> dict:
-        """Per-structure energies [S], per-atom energies, forces (and each structure's strain
-        derivative [S, 3, 3]) on the device, as tensors; the structures are independent, so
-        one backward pass of the summed energy gives every structure's gradients."""
-        positions = positions.detach().requires_grad_(True)
-        with torch.enable_grad():
+        """One evaluation on the device, as tensors: per-structure energies [S], per-atom
+        energies [N]; with ``grad`` the forces [N, 3] (and with ``stress`` each structure's
+        strain derivative [S, 3, 3]) from one backward pass of the summed energy (the
+        structures are independent); the ``direct`` heads' forces [N, 3] (net force removed
+        per structure) and stress [S, 3, 3] from the same forward pass."""
+        positions = positions.detach().requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
             vectors = pair_vectors(positions, self.pairs)
-            energies, sizes = self.energy_terms(vectors, cells, numbers, system)
-            grads = torch.autograd.grad(energies.sum(), [positions, vectors] if stress else [positions])
-        totals = torch.zeros(cells.shape[0], dtype=energies.dtype, device=energies.device).index_add_(
-            0, system, energies
-        )
-        out = {"energy": totals.detach(), "energies": energies.detach(), "forces": -grads[0], "sizes": sizes}
-        if stress:  # dE/d(strain) of structure s: its pairs' v ⊗ dE/dv, summed (see the module doc)
-            terms = (vectors.detach()[:, :, None] * grads[1][:, None, :]).reshape(-1, 9)
-            bins = terms.new_zeros(cells.shape[0] * VIRIAL_BINS, 9).index_add_(0, self.pairs.bins, terms)
-            out["virial"] = bins.reshape(cells.shape[0], VIRIAL_BINS, 3, 3).sum(1)
+            energies, terms, sizes = self.predict(vectors, cells, numbers, direct)
+            if grad:
+                grads = torch.autograd.grad(energies.sum(), [positions, vectors] if stress else [positions])
+        count = cells.shape[0]
+        totals = energies.new_zeros(count).index_add_(0, system, energies.detach())
+        out = {"energy": totals, "energies": energies.detach(), "sizes": sizes}
+        if grad:
+            out["forces"] = -grads[0]
+        if grad and stress:  # dE/d(strain) of structure s: its pairs' v ⊗ dE/dv, summed (see the module doc)
+            virial_terms = (vectors.detach()[:, :, None] * grads[1][:, None, :]).reshape(-1, 9)
+            bins = virial_terms.new_zeros(count * VIRIAL_BINS, 9).index_add_(0, self.pairs.bins, virial_terms)
+            out["virial"] = bins.reshape(count, VIRIAL_BINS, 3, 3).sum(1)
+        for quantity, term in zip(direct, terms):
+            out.update(direct_output(quantity, term.detach(), cells, system))
         return out
 
     # ----- the engine interface -----------------------------------------------------------
 
     def compute(self, structures: list[Atoms], properties) -> list[dict]:
-        """Per structure: ``energy`` (eV), ``energies`` [n] (eV), ``forces`` [n, 3] (eV/Å)
-        and, when ``"stress"`` is among ``properties``, ``stress`` [3, 3] (eV/Å³, ASE sign)
-        for each 3D-periodic structure, as float64 numpy arrays: all structures in one
-        batched evaluation (same-size copies, like path-integral beads, are the fast case)."""
+        """Per structure, as float64 numpy arrays: ``energy`` (eV) and ``energies`` [n]
+        (eV) always; ``forces`` [n, 3] (eV/Å) when ``"forces"`` or ``"stress"`` is asked (one
+        backward pass; none for an energy-only call); ``stress`` [3, 3] (eV/Å³, ASE sign)
+        of each 3D-periodic structure when ``"stress"`` is asked; the direct heads'
+        ``non_conservative_forces`` [n, 3] and, for 3D-periodic structures,
+        ``non_conservative_stress`` [3, 3] when asked. All structures in one batched
+        evaluation (same-size copies, like path-integral beads, are the fast case)."""
+        grad = "forces" in properties or "stress" in properties
         stress = "stress" in properties and any(atoms.pbc.all() for atoms in structures)
+        direct = tuple(
+            q
+            for q, name in ((FORCE, "non_conservative_forces"), (STRESS, "non_conservative_stress"))
+            if name in properties
+        )
+        flags = {"grad": grad, "stress": stress, "direct": direct}
         batch = Structures.of(structures)
         self._use(batch)
         positions = torch.from_numpy(batch.positions).to(self.device, self.dtype)
@@ -345,7 +335,7 @@ class LeanPET:
                 with torch.enable_grad():  # the step's grad mode: with compile=True, no second compilation
                     most = int(self.neighbor_table(pair_vectors(positions, self.pairs), numbers, self.columns)[1])
             self._set_width(most + MARGIN)
-        out = self._evaluate(positions, cells, numbers, system, stress)
+        out = self._evaluate(positions, cells, numbers, system, flags)
         most, total = out["sizes"].tolist()
         if most > self.width or total > self.rows:  # an atom outgrew the table, or the pairs the rows: redo the step
             if most > self.width:
@@ -353,17 +343,20 @@ class LeanPET:
                 self.widenings += 1
             if total > self.rows:
                 self._set_rows(total)
-            out = self._evaluate(positions, cells, numbers, system, stress)  # the counts do not depend on the sizes
+            out = self._evaluate(positions, cells, numbers, system, flags)  # the counts do not depend on the sizes
         ends = np.cumsum(batch.sizes)[:-1]
-        totals = out["energy"].cpu().numpy()
-        energies = np.split(out["energies"].double().cpu().numpy(), ends)
-        forces = np.split(out["forces"].double().cpu().numpy(), ends)
-        virials = out["virial"].double().cpu().numpy() if stress else None
+        host = {key: value.double().cpu().numpy() for key, value in out.items() if key != "sizes"}
+        per_atom = {
+            key: np.split(host[key], ends) for key in ("energies", "forces", "non_conservative_forces") if key in host
+        }
         results = []
         for k, atoms in enumerate(structures):
-            result = {"energy": float(totals[k]), "energies": energies[k], "forces": forces[k]}
-            if stress and atoms.pbc.all():
-                result["stress"] = virials[k] / atoms.get_volume()
+            result = {"energy": float(host["energy"][k]), **{key: value[k] for key, value in per_atom.items()}}
+            if atoms.pbc.all():
+                if "virial" in host:
+                    result["stress"] = host["virial"][k] / atoms.get_volume()
+                if "non_conservative_stress" in host:
+                    result["non_conservative_stress"] = host["non_conservative_stress"][k]
             results.append(result)
         return results
 
@@ -375,20 +368,22 @@ class LeanPET:
         positions = torch.from_numpy(batch.positions).to(self.device, self.dtype)
         return self._kept_pairs(pair_vectors(positions, self.pairs).detach(), positions.shape[0]).counts
 
-    def _evaluate(self, positions, cells, numbers, system, stress: bool) -> dict:
-        """One step: eager, or through the recorded graph (recorded first if needed)."""
+    def _evaluate(self, positions, cells, numbers, system, flags: dict) -> dict:
+        """One step (:meth:`_step` with ``flags``): eager, or through the recorded graph
+        (recorded first for these flags if needed)."""
         due = self.check_every and self.evaluations % self.check_every == 0
         self.evaluations += 1
         if not self.cuda_graphs:
-            return self._step(positions, cells, numbers, system, stress)
+            return self._step(positions, cells, numbers, system, **flags)
         if due:  # the watchdog's turn: the same step, eagerly, every layer checked
             with watchdog.check_all():
-                return self._step(positions, cells, numbers, system, stress)
-        if self._graph is None or self._graph.key != stress:
+                return self._step(positions, cells, numbers, system, **flags)
+        key = tuple(flags.values())
+        if self._graph is None or self._graph.key != key:
             self._graph = None  # its memory goes before the next one is recorded
             torch.cuda.synchronize(self.device)
             with progress.doing(f"recording a CUDA graph ({positions.shape[0]} atoms, table width {self.width})"):
-                step = functools.partial(self._step, stress=stress)
-                self._graph = Graph(step, (positions, cells, numbers, system), self.device, key=stress)
+                step = functools.partial(self._step, **flags)
+                self._graph = Graph(step, (positions, cells, numbers, system), self.device, key=key)
             self.recordings += 1
         return self._graph.replay(positions, cells, numbers, system)

@@ -1,9 +1,10 @@
 """The metatomic engine: metatomic-ase's ``MetatomicCalculator`` around the exported model.
 
 Neighbor lists are vesin's, through metatomic-ase (with its own Verlet skin), forces and
-the strain-derivative stress from autograd in TorchScript. Slower per step than the lean
-engine, but it evaluates every PET the lean engine cannot (long-range modules,
-charge/spin conditioning, other additive models or units).
+the strain-derivative stress from autograd in TorchScript, the direct heads' forces and
+stress from a second calculator on the same model with ``non_conservative`` set. Slower per
+step than the lean engine, but it evaluates every PET the lean engine cannot (long-range
+modules, charge/spin conditioning, other additive models or units).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from ase.stress import voigt_6_to_full_3x3_stress
 
 from .models import import_dependencies
 
+DIRECT = {"non_conservative_forces": "forces", "non_conservative_stress": "stress"}
+"""The engine's names of the direct heads' results, and metatomic-ase's names for them."""
+
 
 class MetatomicEngine:
     """Energies, forces and stress of metatrain ``pet`` through metatomic-ase.
@@ -23,56 +27,78 @@ class MetatomicEngine:
     :param pet: a metatrain PET (its Linear layers in any precision).
     :param device: where to evaluate it.
     :param skin: Verlet skin (Å) of metatomic-ase's neighbor lists.
+    :param variants: metatomic-ase's ``variants`` (which output of each quantity to read).
     """
 
-    def __init__(self, pet: torch.nn.Module, device: torch.device, skin: float):
+    def __init__(self, pet: torch.nn.Module, device: torch.device, skin: float, variants: dict | None = None):
         import_dependencies(metatomic_ase=True)
         from metatomic_ase import MetatomicCalculator
 
-        self.calculator = MetatomicCalculator(
-            pet.export().eval(),
-            device=str(device),
-            do_gradients_with_energy=False,
-            uncertainty_threshold=None,
-            neighbor_skin=skin,
-        )
+        model = pet.export().eval()
+
+        def calculator(non_conservative):
+            return MetatomicCalculator(
+                model,
+                device=str(device),
+                do_gradients_with_energy=False,
+                variants=variants,
+                non_conservative=non_conservative,
+                uncertainty_threshold=None,
+                neighbor_skin=skin,
+            )
+
+        self._calculator = calculator
+        self.calculator = calculator(False)
+        self._direct: dict = {}  # non_conservative setting -> its calculator, made when first asked
 
     def compute(self, structures: list[Atoms], properties) -> list[dict]:
         """Per structure: ``energy`` (eV), ``energies`` [n] (eV; for one structure only when
-        asked), ``forces`` [n, 3] (eV/Å) and, when ``"stress"`` is asked, ``stress`` [3, 3]
-        (eV/Å³) of each 3D-periodic structure. One structure goes through metatomic-ase's
-        ``calculate``, which keeps its neighbor list between calls; several through one
-        batched model call."""
+        asked), ``forces`` [n, 3] (eV/Å) when ``"forces"`` or ``"stress"`` is asked,
+        ``stress`` [3, 3] (eV/Å³) of each 3D-periodic structure when ``"stress"`` is asked,
+        and the direct heads' ``non_conservative_forces`` / ``non_conservative_stress`` when
+        asked. One structure goes through metatomic-ase's ``calculate``, which keeps its
+        neighbor list between calls; several through one batched model call."""
+        grad = "forces" in properties or "stress" in properties
+        results = self._run(self.calculator, structures, properties, grad, "stress" in properties)
+        direct = [name for name in DIRECT if name in properties]
+        if direct:
+            setting = True if len(direct) == 2 else DIRECT[direct[0]]
+            if setting not in self._direct:
+                self._direct[setting] = self._calculator(setting)
+            wanted = [DIRECT[name] for name in direct]
+            answers = self._run(self._direct[setting], structures, wanted, True, "stress" in wanted)
+            for result, answer in zip(results, answers):
+                result.update({name: answer[DIRECT[name]] for name in direct if DIRECT[name] in answer})
+        return results
+
+    @staticmethod
+    def _run(calculator, structures: list[Atoms], properties, grad: bool, stress: bool) -> list[dict]:
+        """``calculator``'s energy, energies, forces (with ``grad``) and stress (with
+        ``stress``, for 3D-periodic structures) of ``structures``, stress as [3, 3]."""
         if len(structures) == 1:
-            return [self._single(structures[0], properties)]
-        stress = "stress" in properties and any(atoms.pbc.all() for atoms in structures)
-        return self._batch(structures, stress)
-
-    def _single(self, atoms: Atoms, properties) -> dict:
-        wanted = ["energy", "forces"] + (["energies"] if "energies" in properties else [])
-        self.calculator.calculate(atoms, wanted, all_changes)
-        result = {
-            key: value for key, value in self.calculator.results.items() if key in ("energy", "energies", "forces")
-        }
-        if "stress" in properties and "stress" in self.calculator.results:  # given for 3D-periodic systems
-            result["stress"] = voigt_6_to_full_3x3_stress(self.calculator.results["stress"])
-        return result
-
-    def _batch(self, structures: list[Atoms], stress: bool) -> list[dict]:
-        periodic = all(atoms.pbc.all() for atoms in structures)
-        out = self.calculator.compute_energy(structures, compute_forces_and_stresses=True, per_atom=True)
-        results = []
-        for k, atoms in enumerate(structures):
+            atoms = structures[0]
+            wanted = ["energy"] + (["forces"] if grad else []) + (["energies"] if "energies" in properties else [])
+            calculator.calculate(atoms, wanted + (["stress"] if stress and atoms.pbc.all() else []), all_changes)
             result = {
-                "energy": float(out["energy"][k]),
-                "energies": np.asarray(out["energies"][k], float),
-                "forces": np.asarray(out["forces"][k], float),
+                key: value for key, value in calculator.results.items() if key in ("energy", "energies", "forces")
             }
-            if stress and periodic:
+            if stress and "stress" in calculator.results:
+                result["stress"] = voigt_6_to_full_3x3_stress(calculator.results["stress"])
+            return [result]
+        periodic = all(atoms.pbc.all() for atoms in structures)
+        out = calculator.compute_energy(structures, compute_forces_and_stresses=grad, per_atom=True)
+        results = []
+        for k in range(len(structures)):
+            result = {"energy": float(out["energy"][k]), "energies": np.asarray(out["energies"][k], float)}
+            if grad:
+                result["forces"] = np.asarray(out["forces"][k], float)
+            if grad and stress and periodic:
                 result["stress"] = np.asarray(out["stress"][k], float).reshape(3, 3)
             results.append(result)
-        if stress and not periodic:  # metatomic-ase gives stress only for all-periodic batches
+        if grad and stress and not periodic:  # metatomic-ase gives stress only for all-periodic batches
             for k, atoms in enumerate(structures):
                 if atoms.pbc.all():
-                    results[k]["stress"] = self._batch([atoms], True)[0]["stress"]
+                    results[k]["stress"] = MetatomicEngine._run(calculator, [atoms], ("energy",), True, True)[0][
+                        "stress"
+                    ]
         return results

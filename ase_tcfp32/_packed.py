@@ -31,6 +31,7 @@ import torch
 from ._attention import tc_attention_packed
 from ._folded import compress
 from ._fused import combine_messages
+from ._heads import readout
 from ._swapping import Recomputed
 
 
@@ -133,16 +134,8 @@ def features(backend: torch.nn.Module, packed: Packed) -> tuple[torch.Tensor, to
     return nodes, edges
 
 
-def energies(backend: torch.nn.Module, packed: Packed) -> torch.Tensor:
-    """PET's per-atom energies [N] (before the scaler and composition model: the first
-    property of the energy's first block), its edge terms weighted by the cutoff factors
-    and summed over each atom's rows, as metatrain's readout does over its table."""
+def predictions(backend: torch.nn.Module, packed: Packed, names: list[str]) -> list[torch.Tensor]:
+    """PET's per-atom predictions [N, C] of the targets ``names`` (before the scaler and
+    composition model), read out of one pass of the GNN layers (:func:`ase_tcfp32._heads.readout`)."""
     nodes, edges = features(backend, packed)
-    node_features = backend.node_heads["energy"][0](nodes)
-    edge_features = backend.edge_heads["energy"][0](edges)
-    node_last, edge_last = (
-        next(iter(layers["energy"][0].values())) for layers in (backend.node_last_layers, backend.edge_last_layers)
-    )
-    edge_terms = torch.where(packed.real, edge_last(edge_features)[:, 0], 0.0) * packed.factors
-    per_atom = node_last(node_features)[:, 0]
-    return per_atom + torch.zeros_like(per_atom).index_add_(0, packed.centers, edge_terms)
+    return [readout(backend, name, nodes, edges, packed.factors, packed.real, packed.centers) for name in names]

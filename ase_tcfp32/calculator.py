@@ -23,7 +23,8 @@ from ase.data import chemical_symbols
 from ase.stress import full_3x3_to_voigt_6_stress
 
 from . import watchdog
-from ._engines import check_engine, make_engine
+from ._engines import DIRECT, PROPERTIES, check_engine, make_engine
+from ._heads import FORCE, STRESS, Heads
 from ._memory import out_of_memory_message
 from ._prepare import prepare_model
 from ._progress import enabled as show_progress
@@ -58,14 +59,63 @@ def _check_emulation(emulate: str, precision: str, device) -> None:
         raise ValueError(f"emulate={emulate!r} runs the tensor-core model on CPU; pass device='cpu' or None")
 
 
+def _check_dtype(dtype, precision: str, emulate: str | None) -> bool:
+    """Whether ``dtype`` (upet's keyword) asks for a float64 model; a clear error for a
+    dtype we do not run or a precision that contradicts it."""
+    names = {None: False, "float32": False, torch.float32: False, "float64": True, torch.float64: True}
+    if dtype not in names:
+        raise ValueError(f"dtype is 'float32' or 'float64' (or the torch dtypes), not {dtype!r}")
+    if names[dtype] and (precision not in ("auto", "fp32", "fp64") or emulate is not None):
+        raise ValueError(
+            f"dtype=float64 runs every product in FP64: it cannot be combined with precision={precision!r}"
+            + (f" or emulate={emulate!r}" if emulate else "")
+        )
+    return names[dtype]
+
+
+def _rotations_quadrature(order: int | None, batch_size: int | None):
+    """The rotations and weights of ``rotational_average_order`` (None: no averaging)."""
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"rotational_average_batch_size is a positive number of copies, not {batch_size!r}")
+    if order is None:
+        if batch_size is not None:
+            raise ValueError("rotational_average_batch_size needs rotational_average_order")
+        return None
+    from ._rotations import quadrature
+
+    return quadrature(order)
+
+
 class TCPETCalculator(Calculator):
     """PET / PET-MAD in ASE with FP32-accurate tensor-core matrix products.
 
     >>> atoms.calc = TCPETCalculator("pet-mad-s", precision="tf32x3")  # doctest: +SKIP
 
+    The first seven parameters are upet's ``UPETCalculator``'s, with the same meaning
+    (:doc:`coming from upet <upet>`); a keyword neither has is refused (``TypeError``).
+
     :param model: a uPET name (``"pet-mad-s"``), a metatrain ``.ckpt`` path, or a loaded
         metatrain PET model (modified in place).
     :param version: uPET model version when ``model`` is a name.
+    :param dtype: ``"float32"`` (default) or ``"float64"`` (or the torch dtypes): the
+        model's floating type. In float64 every product runs in plain FP64 (the reference
+        the tensor-core precisions are measured against); ``precision`` is then ``"fp64"``.
+    :param checkpoint_path: a metatrain checkpoint to load instead of ``model``.
+    :param variants: which output of each quantity to read, as in upet and metatomic-ase:
+        ``{"energy": "r2scan"}`` reads ``energy/r2scan`` (and the direct heads in the same
+        variant unless given: keys ``"non_conservative_force"``,
+        ``"non_conservative_stress"``); ``None`` values mean the default output.
+    :param rotational_average_order: average every prediction over rotations of the input
+        (a Lebedev grid of this order times ``2 * order + 1`` in-plane angles, with
+        inversion: metatomic-ase's quadrature), storing the spread as ``energy_rot_std``,
+        ``forces_rot_std``, ``stress_rot_std`` in ``results``. The rotated copies go through
+        batched evaluations.
+    :param rotational_average_batch_size: rotated copies per batched evaluation (default:
+        all at once).
+    :param non_conservative: ``False`` (default), ``True``, ``"forces"`` or ``"stress"``:
+        forces and/or stress from the model's direct heads (one forward pass, no backward;
+        PET-MAD >= 1.1), as in upet. They do not conserve energy: see :mod:`ase_tcfp32.mts`
+        for molecular dynamics with them.
     :param precision: ``"auto"``, ``"fp32"``, ``"tf32"``, ``"tf32x3"``, ``"fp16x3"`` or ``"bf16x9"``
         (see :mod:`ase_tcfp32.precision`).
     :param device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``; default CUDA when available.
@@ -106,8 +156,14 @@ class TCPETCalculator(Calculator):
     def __init__(
         self,
         model: str | os.PathLike | torch.nn.Module = "pet-mad-s",
-        *,
         version: str = "latest",
+        dtype: str | torch.dtype | None = None,
+        checkpoint_path: str | os.PathLike | None = None,
+        variants: dict | None = None,
+        rotational_average_order: int | None = None,
+        rotational_average_batch_size: int | None = None,
+        *,
+        non_conservative: bool | str = False,
         precision: str = "auto",
         device: str | torch.device | None = None,
         emulate: str | None = None,
@@ -117,16 +173,29 @@ class TCPETCalculator(Calculator):
         engine: str = "auto",
         check_accuracy: int | None = None,
         progress: bool | None = None,
-        **kwargs,
     ):
-        super().__init__(**kwargs)
+        super().__init__()
+        float64 = _check_dtype(dtype, precision, emulate)
+        if non_conservative not in (False, True, "forces", "stress"):
+            raise ValueError(f"non_conservative is False, True, 'forces' or 'stress', not {non_conservative!r}")
+        if variants is not None and not isinstance(variants, dict):
+            raise TypeError(f"variants is a dict such as {{'energy': 'r2scan'}}, not {variants!r}")
+        self.rotations = _rotations_quadrature(rotational_average_order, rotational_average_batch_size)
+        self.rotational_average_batch_size = rotational_average_batch_size
+        self.non_conservative = non_conservative
+        direct = (FORCE,) * (non_conservative in (True, "forces")) + (STRESS,) * (non_conservative in (True, "stress"))
+        if checkpoint_path is not None:
+            model = checkpoint_path
         check_name(precision)
         self.progress = show_progress(progress)
         self._evaluations = 0
         number = isinstance(neighbor_skin, (int, float)) and not isinstance(neighbor_skin, bool)
         if neighbor_skin is not None and not (number and 0 <= neighbor_skin < np.inf):
             raise ValueError(f"neighbor_skin is a distance in Å, 0 or more, not {neighbor_skin!r}")
-        if emulate is None:
+        if float64:
+            self.device, self.precision, self.backend = resolve_device(device), "fp64", "torch (float64)"
+            check_accuracy = 0  # nothing emulated to watch
+        elif emulate is None:
             self.device = resolve_device(device)
             self.precision = resolve_precision(precision, self.device)
             self.backend = support(self.precision, self.device).backend
@@ -143,10 +212,14 @@ class TCPETCalculator(Calculator):
         self.check_accuracy = watchdog.check_every(check_accuracy, watchdog.CALCULATOR_EVERY)
 
         self.pet = load_pet(model, version)
+        if float64:
+            self.pet = self.pet.double()
         dtype = next(self.pet.parameters()).dtype
-        if self.precision != "fp32" and dtype != torch.float32:
+        if self.precision not in ("fp32", "fp64") and dtype != torch.float32:
             raise ValueError(f"precision {self.precision!r} needs a float32 model, this one is {dtype}")
-        ours = prepare_model(
+        heads = Heads(self.pet, variants, direct)  # a missing head or variant fails here, before any work
+        self._direct_forces, self._direct_stress = FORCE in direct, STRESS in direct
+        ours = float64 is False and prepare_model(
             self.pet,
             self.precision,
             self.device,
@@ -169,6 +242,7 @@ class TCPETCalculator(Calculator):
             compile=compile,
             check_every=self.check_accuracy,
             packed=ours,
+            heads=heads,
         )
         if isinstance(model, torch.nn.Module):
             self.model_name = self.pet.metadata.name or type(model).__name__
@@ -234,7 +308,7 @@ class TCPETCalculator(Calculator):
                 f"stress needs a system periodic in all three directions (pbc={atoms.pbc.tolist()})"
             )
 
-    def evaluate(self, structures: list[Atoms]) -> list[dict]:
+    def evaluate(self, structures: list[Atoms], properties=PROPERTIES) -> list[dict]:
         """Energies, forces and stresses of many structures in one batched model call.
 
         ``structures`` may differ in size, cell and periodicity; same-size copies (the
@@ -245,24 +319,69 @@ class TCPETCalculator(Calculator):
         ``stress`` (eV/Å³, Voigt order). The same evaluation as one structure's
         ``get_forces()``: a single structure is a batch of one.
 
+        ``properties`` chooses what is computed: ``("energy",)`` runs no backward pass;
+        ``"forces"`` and ``"stress"`` follow ``non_conservative``; the direct heads' results
+        can also be asked by name, ``"non_conservative_forces"`` and
+        ``"non_conservative_stress"``, next to the conservative ones from the same forward
+        pass (what :mod:`ase_tcfp32.mts` asks for).
+
         >>> results = calc.evaluate([atoms.copy() for _ in range(32)])  # doctest: +SKIP
         """
         structures = list(structures)
+        unknown = sorted(set(properties) - set(PROPERTIES) - set(DIRECT))
+        if unknown:
+            raise ValueError(f"unknown properties {unknown}: evaluate computes {', '.join(PROPERTIES + DIRECT)}")
         if not structures:
             return []
         for atoms in structures:
-            self.check_atoms(atoms, ["energy", "forces"])
-        return self._compute(structures, ("energy", "energies", "forces", "stress"))
+            self.check_atoms(atoms, [p for p in properties if p == "energy" or p == "forces"])
+        if self.rotations is not None:
+            return [self._averaged(atoms, properties) for atoms in structures]
+        return self._compute(structures, properties)
+
+    def _engine_properties(self, properties, periodic: bool) -> set[str]:
+        """What the engine computes for the calculator's ``properties``: energies always;
+        ``forces`` and ``stress`` from the direct heads where ``non_conservative`` says so,
+        else from one backward pass, which gives a periodic system's stress with its forces
+        for free (as metatomic-ase does)."""
+        wanted = {"energy", *(set(properties) & {"energies", *DIRECT})}
+        if "forces" in properties:
+            wanted.add("non_conservative_forces" if self._direct_forces else "forces")
+        if "stress" in properties:
+            wanted.add("non_conservative_stress" if self._direct_stress else "stress")
+        if "forces" in wanted and periodic and not self._direct_stress:
+            wanted.add("stress")
+        if "stress" in wanted:
+            wanted.add("forces")
+        return wanted
 
     def _compute(self, structures: list[Atoms], properties) -> list[dict]:
-        """The engine's results for ``structures`` (checked), in ASE's conventions."""
+        """The engine's results for ``structures`` (checked), in ASE's conventions: the
+        direct heads' results under ``forces`` and ``stress`` where the calculator reads them
+        (and under their own names where asked by them)."""
+        wanted = self._engine_properties(properties, any(atoms.pbc.all() for atoms in structures))
         with self._evaluating(sum(map(len, structures))):
-            results = self._engine.compute(structures, properties)
+            results = self._engine.compute(structures, wanted)
         for result in results:
+            for name, direct, used in (
+                ("forces", DIRECT[0], self._direct_forces),
+                ("stress", DIRECT[1], self._direct_stress),
+            ):
+                if used and direct in result:
+                    result[name] = result[direct] if direct in properties else result.pop(direct)
             result["free_energy"] = result["energy"]
-            if "stress" in result:
-                result["stress"] = full_3x3_to_voigt_6_stress(result["stress"])
+            for name in ("stress", DIRECT[1]):
+                if name in result:
+                    result[name] = full_3x3_to_voigt_6_stress(result[name])
         return results
+
+    def _averaged(self, atoms: Atoms, properties) -> dict:
+        """``properties`` of ``atoms`` averaged over :attr:`rotations` (batched evaluations)."""
+        from ._rotations import evaluate_averaged
+
+        return evaluate_averaged(
+            lambda copies: self._compute(copies, properties), atoms, self.rotations, self.rotational_average_batch_size
+        )
 
     @contextlib.contextmanager
     def _evaluating(self, atoms: int) -> Iterator[None]:
@@ -290,6 +409,7 @@ class TCPETCalculator(Calculator):
         if atoms is not None:
             self.check_atoms(atoms, list(properties))
         super().calculate(atoms, properties, system_changes)
-        # forces come with every call (ASE caches them for the next get_forces), and stress
-        # with every call for 3D-periodic systems
-        self.results = self._compute([self.atoms], {*properties, "energy", "forces", "stress"})[0]
+        if self.rotations is not None:
+            self.results = self._averaged(self.atoms, properties)
+        else:
+            self.results = self._compute([self.atoms], properties)[0]

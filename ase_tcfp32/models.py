@@ -54,6 +54,9 @@ BUNDLED = {"pet-demo-chgnet": "pet-demo-chgnet.ckpt"}
 CHGNet r2SCAN model on water, CO/Pt(111) and Cantor-alloy structures. A demo model for
 examples, tests and validation, **not PET-MAD**; its accuracy is in ``docs/demo_model.md``."""
 
+KEPT = ("energy", "non_conservative_force", "non_conservative_stress")
+"""The targets :func:`load_pet` keeps (each in all its variants); others are removed."""
+
 _UPET_REPO = "lab-cosmo/upet"
 _CKPT_NAME = re.compile(r"^(?P<name>pet-[\w-]+?)-v?(?P<version>\d+\.\d+\.\d+)\.ckpt$")
 
@@ -267,7 +270,8 @@ def _unwrap_pet(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def load_pet(model: str | os.PathLike | torch.nn.Module, version: str = "latest") -> torch.nn.Module:
-    """A metatrain ``PET`` in eval mode, frozen, keeping only its energy outputs.
+    """A metatrain ``PET`` in eval mode, frozen, keeping only the outputs a calculator
+    reads: the energy and the direct force and stress heads, in every variant.
 
     ``model`` is a uPET name (``"pet-mad-s"``), a checkpoint path, or a loaded
     metatrain model (PET, LLPR-wrapped PET, or an unscripted ``AtomisticModel``).
@@ -279,7 +283,7 @@ def load_pet(model: str | os.PathLike | torch.nn.Module, version: str = "latest"
     else:
         pet = _unwrap_pet(_read_checkpoint(resolve_checkpoint(model, version)))
     for target in list(pet.output_shapes):
-        if target != "energy" and not target.startswith("energy/"):
+        if target.split("/")[0] not in KEPT:
             pet.remove_output(target)
     if "energy" not in pet.output_shapes:
         raise ValueError("this PET model has no 'energy' output")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from ase_tcfp32._engines import PROPERTIES
+from ase_tcfp32._engines import DIRECT, PROPERTIES
 from ase_tcfp32._lean import LeanPET
 from ase_tcfp32._swapping import recompute_gnn_layers
 from ase_tcfp32.testing import random_pet
@@ -17,9 +17,9 @@ def pet64():
 
 
 def _both(pet, structures, **packed_options):
-    table = LeanPET(pet, torch.device("cpu")).compute(structures, PROPERTIES)
+    table = LeanPET(pet, torch.device("cpu")).compute(structures, PROPERTIES + DIRECT)
     lean = LeanPET(pet, torch.device("cpu"), packed=True, **packed_options)
-    return table, lean.compute(structures, PROPERTIES), lean
+    return table, lean.compute(structures, PROPERTIES + DIRECT), lean
 
 
 def _assert_same(table, packed):
@@ -29,8 +29,9 @@ def _assert_same(table, packed):
         assert abs(a["energy"] - b["energy"]) <= 1e-12 * abs(a["energy"])
         assert np.abs(a["energies"] - b["energies"]).max() <= 1e-12 * np.abs(a["energies"]).max()
         assert np.abs(a["forces"] - b["forces"]).max() <= 1e-12 * scale
-        if "stress" in a:
-            assert np.abs(a["stress"] - b["stress"]).max() <= 1e-12 * np.abs(a["stress"]).max()
+        for name in ("stress", "non_conservative_forces", "non_conservative_stress"):  # the direct heads too
+            if name in a:
+                assert np.abs(a[name] - b[name]).max() <= 1e-12 * np.abs(a[name]).max()
 
 
 def test_packed_rows_give_the_tables_results(pet64, water, pt_bulk, ethanol):

@@ -152,7 +152,7 @@ def test_the_toolchain_check_follows_tritons_rules(monkeypatch, tmp_path):
 
 
 def test_without_a_c_compiler_the_cutoffs_run_in_torch_with_a_warning(no_toolchain):
-    from ase_tcfp32._lean import cutoff_kernel_usable
+    from ase_tcfp32._kernels.context import cutoff_kernel_usable
 
     with pytest.warns(UserWarning, match="adaptive cutoffs run in metatrain's torch code.*no C compiler"):
         assert not cutoff_kernel_usable(torch.device("cuda"))

@@ -30,6 +30,7 @@ import json
 import os
 import sysconfig
 import threading
+import warnings
 
 import torch
 
@@ -125,3 +126,23 @@ def remember_triton_key() -> None:
         os.replace(partial, path)  # atomic: a reader sees the old file or the new one
     except OSError:  # a read-only cache folder: each process computes the hash, as Triton alone does
         pass
+
+
+def cutoff_kernel_usable(device: torch.device) -> bool:
+    """Whether PET's adaptive-cutoff solver can run in our kernel on ``device`` (CUDA, or
+    CPU tensors under Triton's interpreter); on a GPU where Triton cannot build its
+    launchers, metatrain's torch code runs instead, with a warning saying why."""
+    if INTERPRETED:
+        return True
+    if device.type != "cuda":
+        return False
+    from ..precision import triton_build_problem
+
+    problem = triton_build_problem()
+    if problem is not None:
+        warnings.warn(
+            f"PET's adaptive cutoffs run in metatrain's torch code, slower: Triton cannot build its launchers "
+            f"here ({problem})",
+            stacklevel=3,
+        )
+    return problem is None

@@ -1,0 +1,183 @@
+"""upet's keywords and outputs on TCPETCalculator (CPU): direct forces and stress,
+variants, float64, energy-only calls, and clear errors for what we do not understand.
+
+Bounds: two FP32 evaluations of the same model in different orders of operations differ
+by a few hundred rounding units (2^-24) of the largest term at most; 1e-5 relative leaves
+a margin of ~10x over what is seen (1-4e-7)."""
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from ase_tcfp32 import TCPETCalculator
+from ase_tcfp32.models import import_dependencies, load_pet
+from ase_tcfp32.testing import random_pet
+from ase_tcfp32.validation import water_box
+
+FP32 = 1e-5
+"""Relative agreement of two FP32 evaluations of one model (see the module doc)."""
+
+
+@pytest.fixture(scope="module")
+def pet():
+    return random_pet("tiny", seed=3, atomic_types=[1, 6, 8])
+
+
+@pytest.fixture
+def water():
+    atoms = water_box(8)
+    atoms.rattle(0.05, seed=1)
+    return atoms
+
+
+def calculator(pet, **options):
+    options = {"precision": "fp32", "device": "cpu", "progress": False, **options}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return TCPETCalculator(copy.deepcopy(pet), **options)
+
+
+def close(a, b, rel=FP32):
+    a, b = np.asarray(a), np.asarray(b)
+    return np.abs(a - b).max() <= rel * max(np.abs(b).max(), 1e-12)
+
+
+def test_a_keyword_neither_upet_nor_we_have_is_refused(tiny_ckpt):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'uncertainty_treshold'"):
+        TCPETCalculator(tiny_ckpt, device="cpu", uncertainty_treshold=0.1)
+
+
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        ({"non_conservative": "yes"}, ValueError, "non_conservative is False, True, 'forces' or 'stress'"),
+        ({"variants": {"energy": "pbe"}}, ValueError, "no output 'energy/pbe': its energy outputs are energy"),
+        ({"variants": {"dipole": None}}, ValueError, r"variants for unknown outputs \['dipole'\]"),
+        ({"variants": "pbe"}, TypeError, "variants is a dict"),
+        ({"dtype": "float16"}, ValueError, "dtype is 'float32' or 'float64'"),
+        ({"dtype": torch.float64, "precision": "tf32x3"}, ValueError, "cannot be combined with precision='tf32x3'"),
+        ({"rotational_average_batch_size": 4}, ValueError, "rotational_average_batch_size needs rotational_average"),
+        ({"rotational_average_order": 3, "rotational_average_batch_size": 0}, ValueError, "positive number of copies"),
+    ],
+)
+def test_bad_values_are_refused_before_the_model_loads(options, error, message):
+    """Each error comes before any evaluation, most before the model is even prepared."""
+    with pytest.raises(error, match=message):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            TCPETCalculator(random_pet("tiny", atomic_types=[1, 8]), device="cpu", **options)
+
+
+def test_a_model_without_direct_heads_says_so(pet):
+    plain = copy.deepcopy(pet)
+    plain.remove_output("non_conservative_force")
+    with pytest.raises(ValueError, match="no direct \\(non-conservative\\) forces head"):
+        calculator(plain, non_conservative="forces")
+    calculator(plain, non_conservative="stress")  # the stress head is there
+
+
+@pytest.mark.parametrize("engine", ["lean", "metatomic"])
+def test_direct_forces_and_stress_are_metatrains(pet, water, engine):
+    """The direct heads' forces (net force removed) and stress, in both engines, equal
+    metatrain's own outputs through metatomic-ase's calculator with non_conservative=True."""
+    import_dependencies(metatomic_ase=True)
+    from metatomic_ase import MetatomicCalculator
+
+    reference = MetatomicCalculator(load_pet(copy.deepcopy(pet)).export(), device="cpu", non_conservative=True)
+    atoms = water.copy()
+    atoms.calc = reference
+    expected = atoms.get_forces(), atoms.get_stress(), atoms.get_potential_energy()
+    atoms.calc = calculator(pet, engine=engine, non_conservative=True)
+    forces, stress, energy = atoms.get_forces(), atoms.get_stress(), atoms.get_potential_energy()
+    assert close(forces, expected[0]) and close(stress, expected[1]) and close(energy, expected[2])
+    assert np.abs(forces.sum(0)).max() < FP32 * np.abs(forces).max() * len(atoms)
+    conservative = calculator(pet, engine=engine).get_forces(water)
+    assert not close(forces, conservative, 0.1)  # random heads: the two kinds of forces differ
+
+
+@pytest.mark.parametrize("setting", ["forces", "stress"])
+def test_one_direct_quantity_leaves_the_other_conservative(pet, water, setting):
+    atoms = water.copy()
+    atoms.calc = calculator(pet, non_conservative=setting)
+    both = calculator(pet).evaluate([water], ["forces", "stress", "non_conservative_forces", "non_conservative_stress"])
+    other = "stress" if setting == "forces" else "forces"
+    direct = {"forces": atoms.get_forces(), "stress": atoms.get_stress()}
+    assert close(direct[setting], both[0][f"non_conservative_{setting}"])
+    assert close(direct[other], both[0][other])
+
+
+def test_evaluate_gives_both_kinds_of_forces_from_one_call(pet, water):
+    """What multiple time stepping asks for: conservative and direct forces together, and
+    the direct ones alone (no backward pass: no conservative forces in the result)."""
+    calc = calculator(pet)
+    structures = [water, water.copy()]
+    structures[1].rattle(0.02, seed=5)
+    both = calc.evaluate(structures, ["energy", "forces", "non_conservative_forces"])
+    alone = calc.evaluate(structures, ["energy", "non_conservative_forces"])
+    for pair, single in zip(both, alone):
+        assert "forces" in pair and "forces" not in single and "stress" not in single
+        assert close(single["non_conservative_forces"], pair["non_conservative_forces"])
+        assert single["energy"] == pytest.approx(pair["energy"], rel=FP32)
+    with pytest.raises(ValueError, match=r"unknown properties \['force'\]"):
+        calc.evaluate(structures, ["force"])
+
+
+@pytest.mark.parametrize("engine", ["lean", "metatomic"])
+def test_an_energy_only_call_computes_no_forces_and_forces_come_after(pet, water, engine):
+    calc = calculator(pet, engine=engine)
+    atoms = water.copy()
+    atoms.calc = calc
+    energy = atoms.get_potential_energy()
+    assert "forces" not in calc.results and "stress" not in calc.results
+    forces = atoms.get_forces()
+    assert atoms.calc.results["energy"] == pytest.approx(energy, rel=FP32)
+    assert close(forces, calculator(pet, engine=engine).get_forces(water))
+
+
+def test_float64_runs_the_model_in_fp64(pet, water):
+    """dtype=float64 (upet's keyword): FP64 throughout; FP32 agrees with it to FP32's error,
+    and the metatomic engine in float64 to float64's."""
+    fp64 = calculator(pet, dtype="float64", precision="auto")
+    assert fp64.precision == "fp64" and next(fp64.pet.parameters()).dtype == torch.float64
+    reference = calculator(pet, dtype=torch.float64, engine="metatomic")
+    forces = fp64.get_forces(water)
+    assert close(forces, reference.get_forces(water), 1e-10)
+    assert close(calculator(pet).get_forces(water), forces)
+    assert "fp64" in repr(fp64)
+
+
+@pytest.fixture(scope="module")
+def variant_pet():
+    """A small PET with two energy heads, "energy" and "energy/alt"."""
+    import_dependencies()
+    from metatrain.pet import PET
+    from metatrain.utils.architectures import get_default_hypers
+    from metatrain.utils.data import DatasetInfo
+    from metatrain.utils.data.target_info import get_energy_target_info
+
+    hypers = get_default_hypers("pet")["model"]
+    hypers.update(d_pet=16, d_node=64, d_head=16, d_feedforward=32, num_heads=4, num_gnn_layers=1, cutoff=4.0)
+    targets = {
+        name: get_energy_target_info(name, {"quantity": "energy", "unit": "eV"}) for name in ("energy", "energy/alt")
+    }
+    torch.manual_seed(0)
+    return PET(hypers, DatasetInfo(length_unit="Angstrom", atomic_types=[1, 8], targets=targets))
+
+
+@pytest.mark.parametrize("engine", ["lean", "metatomic"])
+def test_variants_choose_the_head(variant_pet, water, engine):
+    default = calculator(variant_pet, engine=engine).get_potential_energy(water)
+    alt = calculator(variant_pet, engine=engine, variants={"energy": "alt"}).get_potential_energy(water)
+    assert calculator(variant_pet, engine=engine, variants={"energy": None}).get_potential_energy(water) == default
+    assert abs(alt - default) > 0.1
+    other = calculator(variant_pet, engine="metatomic" if engine == "lean" else "lean", variants={"energy": "alt"})
+    assert close(other.get_potential_energy(water), alt)
+
+
+def test_the_upet_positional_order_is_kept(tiny_ckpt):
+    """UPETCalculator(model, version, dtype, checkpoint_path, variants, order, batch size)."""
+    calc = TCPETCalculator("unused-name", "latest", "float32", tiny_ckpt, None, device="cpu", progress=False)
+    assert calc.model_name == tiny_ckpt.name
