@@ -1,7 +1,8 @@
 """Time per ASE MD step (forces + velocity Verlet + neighbor-list updates) per precision.
 
     python benchmarks/md_step.py [--models s,m] [--molecules 64,5760] [--engines metatomic,lean,graphs]
-                                 [--compile both] [--low-memory] [--out FILE.json]
+                                 [--compile both] [--low-memory] [--kinds conservative,direct,energy]
+                                 [--out FILE.json]
 
 Writes its rows into ``benchmarks/results/md_step_<gpu>.json`` (``--out``: elsewhere),
 replacing the rows of the same configurations and keeping the others.
@@ -14,12 +15,17 @@ same configuration, and the best FP32 of all engines and compile modes measured:
 best FP32 a user can get), and the peak GPU memory. ``--engines`` picks the calculator's
 evaluation engines (``TCPETCalculator(engine=...)``). A configuration that runs out of
 memory or fails is reported as such. ``--low-memory`` recomputes the GNN layers in the
-backward pass (``TCPETCalculator(low_memory=True)``).
+backward pass (``TCPETCalculator(low_memory=True)``). ``--kinds`` says what a step computes:
+``conservative`` (forces and stress by the backward pass, the default), ``direct`` (the
+model's direct force and stress heads, ``non_conservative=True``: one forward pass) and
+``energy`` (not an MD step: energy-only calls, ``get_potential_energy()`` on moved atoms,
+next to the same calls asking for forces too, ``energy_forces``).
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 import warnings
 
 import _results
@@ -47,6 +53,7 @@ def time_steps(
     skin: float = 2.0,
     warmup: int = 3,
     table: bool = False,
+    kind: str = "conservative",
 ) -> dict:
     """Median and minimum ms per MD step and peak GPU memory (GB) of one configuration;
     the first call's time (compilation and graph recording included) separately; for the
@@ -63,6 +70,7 @@ def time_steps(
             low_memory=low_memory,
             engine=engine,
             neighbor_skin=skin,
+            non_conservative=kind == "direct",
         )
     if table and calc._engine is not None:
         calc._engine.packed = False
@@ -71,7 +79,10 @@ def time_steps(
     MaxwellBoltzmannDistribution(atoms, temperature_K=300, rng=np.random.default_rng(0))
     dyn = VelocityVerlet(atoms, 0.25 * fs)
     torch.cuda.reset_peak_memory_stats()
-    times = md_step_times(dyn, warmup + steps)
+    if kind in ("energy", "energy_forces"):
+        times = call_times(atoms, ["energy"] if kind == "energy" else ["energy", "forces"], warmup + steps)
+    else:
+        times = md_step_times(dyn, warmup + steps)
     row = {
         "ms": 1000 * float(np.median(times[warmup:])),
         "ms_min": 1000 * float(np.min(times[warmup:])),
@@ -89,10 +100,29 @@ def time_steps(
     return row
 
 
+def call_times(atoms, properties: list[str], calls: int) -> list[float]:
+    """Seconds of each of ``calls`` calculations of ``properties`` (ASE names) on atoms moved
+    by 1e-4 Å between calls (no neighbor-list rebuild), the GPU synchronised around each."""
+    rng = np.random.default_rng(1)
+    times = []
+    for _ in range(calls):
+        atoms.positions += rng.normal(0, 1e-4, atoms.positions.shape)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        atoms.calc.calculate(atoms, properties, ["positions"])
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def add_speedups(rows: list[dict]) -> None:
     """Speed-ups of each row of one (model, box) group against FP32 in the same
     configuration and against the best FP32 of the group (any engine, compiled or not)."""
-    fp32 = {(r["engine"], r["compiled"]): r["ms"] for r in rows if r["precision"] == "fp32" and "ms" in r}
+    fp32 = {
+        (r["engine"], r["compiled"]): r["ms"]
+        for r in rows
+        if r["precision"] == "fp32" and "ms" in r and r.get("kind", "conservative") == "conservative"
+    }
     for row in rows:
         if "ms" not in row:
             continue
@@ -119,6 +149,9 @@ def main() -> None:
         action="store_true",
         help="also time the lean engines' FP32-accurate rows on the neighbor table, not packed rows",
     )
+    parser.add_argument(
+        "--kinds", default="conservative", help="comma-separated: conservative, direct, energy (see the module doc)"
+    )
     parser.add_argument("--out", default=None, help="results file (default: benchmarks/results/md_step_<gpu>.json)")
     args = parser.parse_args()
     modes = {"no": [False], "yes": [True], "both": [False, True]}[args.compile]
@@ -133,8 +166,19 @@ def main() -> None:
             for engine in args.engines.split(","):
                 for compiled in modes:
                     layouts = [False, True] if args.table and engine != "metatomic" and not compiled else [False]
-                    for precision, table in [(p, t) for p in args.precisions.split(",") for t in layouts]:
-                        if table and precision not in FP32_ACCURATE:
+                    kinds = [
+                        k
+                        for kind in args.kinds.split(",")
+                        for k in (["energy", "energy_forces"] if kind == "energy" else [kind])
+                    ]
+                    configurations = [(p, t, k) for p in args.precisions.split(",") for t in layouts for k in kinds]
+                    for precision, table, kind in configurations:
+                        if (
+                            table
+                            and precision not in FP32_ACCURATE
+                            or kind != "conservative"
+                            and (table or precision == "fp32" and engine != "lean")
+                        ):
                             continue
                         row = {
                             "model": f"random-{shape}",
@@ -144,6 +188,7 @@ def main() -> None:
                             "precision": precision,
                             "low_memory": args.low_memory,
                             "skin": args.skin,
+                            "kind": kind,
                         }
                         try:
                             row.update(
@@ -157,6 +202,7 @@ def main() -> None:
                                     args.low_memory,
                                     args.skin,
                                     table=table,
+                                    kind=kind,
                                 )
                             )
                         except torch.OutOfMemoryError:
@@ -169,7 +215,7 @@ def main() -> None:
                             if "ms" in row
                             else row["error"]
                         )
-                        name = f"{precision}{' (table)' if table else ''}"
+                        name = f"{precision}{' (table)' if table else ''}{'' if kind == 'conservative' else ' ' + kind}"
                         print(
                             f"{shape:>5} {len(atoms):>6} {engine:>9} {str(compiled):>8} {name:>9} {result}", flush=True
                         )
@@ -189,7 +235,7 @@ def main() -> None:
             save(args.out, rows)
 
 
-KEY = ("model", "atoms", "engine", "compiled", "precision", "low_memory", "skin", "edge_rows")
+KEY = ("model", "atoms", "engine", "compiled", "precision", "low_memory", "skin", "edge_rows", "kind")
 """What identifies a row of the results file: a new row replaces the old one with the same values."""
 
 

@@ -1,14 +1,16 @@
 """Peak memory of one energy+forces evaluation, with and without ``low_memory``.
 
     python benchmarks/memory.py [--models xs,s,m] [--molecules 64] [--precisions fp32,tf32x3]
-                                [--device cuda] [--largest] [--out FILE.json]
+                                [--device cuda] [--largest] [--per-atom 2880,5760] [--out FILE.json]
 
 For PET-MAD-shaped models with random weights on a water box: the peak memory allocated
 during ``get_forces()`` above what the model itself holds (CUDA: the caching allocator's
 peak; CPU: the peak of the allocations torch's profiler records), the time of that call,
 and the ratios low_memory / default. ``--largest`` (CUDA) doubles the box until it runs
 out of memory, then bisects, and reports the largest water box that fits per model,
-precision and setting.
+precision and setting. ``--per-atom A,B`` (CUDA) measures the peak at two box sizes (water
+molecules) and records the slope, bytes per atom, and the intercept: what the calculator's
+out-of-memory advice (``ase_tcfp32/_memory.py``) is built from.
 """
 
 from __future__ import annotations
@@ -66,6 +68,14 @@ def measure(calc: TCPETCalculator, molecules: int) -> dict:
     return {"atoms": len(atoms), "peak_GB": peak / 1e9, "s": time.perf_counter() - start}
 
 
+def per_atom(shape: str, precision: str, low_memory: bool, sizes: list[int]) -> dict:
+    """Peak bytes per atom between two water boxes of ``sizes`` molecules, and the intercept (GB)."""
+    calc = _calculator(shape, precision, "cuda", low_memory)
+    small, large = (measure(calc, molecules) for molecules in sizes)
+    slope = (large["peak_GB"] - small["peak_GB"]) * 1e9 / (large["atoms"] - small["atoms"])
+    return {"bytes_per_atom": slope, "intercept_GB": small["peak_GB"] - slope * small["atoms"] / 1e9}
+
+
 def largest(shape: str, precision: str, low_memory: bool, start: int = 1024) -> int:
     """The most water molecules (within 5%) whose forces fit in CUDA memory."""
     calc = _calculator(shape, precision, "cuda", low_memory)
@@ -99,6 +109,8 @@ def main() -> None:
     parser.add_argument("--precisions", default="fp32,tf32x3")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--largest", action="store_true", help="search the largest water box that fits (CUDA)")
+    parser.add_argument("--per-atom", default=None, help="two box sizes (water molecules): peak bytes per atom")
+    parser.add_argument("--start", type=int, default=1024, help="--largest: the first box tried (water molecules)")
     parser.add_argument("--out", default=None, help="results file (default: benchmarks/results/memory_<gpu>.json)")
     args = parser.parse_args()
     rows = []
@@ -117,9 +129,14 @@ def main() -> None:
                 "memory_ratio": low["peak_GB"] / default["peak_GB"],
                 "time_ratio": low["s"] / default["s"],
             }
+            if args.per_atom:
+                sizes = [int(n) for n in args.per_atom.split(",")]
+                for suffix, low in (("", False), ("_low_memory", True)):
+                    row.update({f"{k}{suffix}": v for k, v in per_atom(shape, precision, low, sizes).items()})
+                    torch.cuda.empty_cache()
             if args.largest:
-                row["largest_molecules"] = largest(shape, precision, False)
-                row["largest_molecules_low_memory"] = largest(shape, precision, True)
+                row["largest_molecules"] = largest(shape, precision, False, args.start)
+                row["largest_molecules_low_memory"] = largest(shape, precision, True, args.start)
             print(
                 f"{shape:>5} {row['atoms']:>6} {precision:>9} {row['peak_GB']:8.2f} {row['peak_GB_low_memory']:10.2f} "
                 f"{row['memory_ratio']:6.2f} {row['time_ratio']:6.2f}"

@@ -43,7 +43,7 @@ def md_step() -> Path:
     models = list(dict.fromkeys(r["model"] for r in data["rows"]))
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.6), squeeze=False, sharey=True)
     for ax, model in zip(axes[0], models):
-        rows = [r for r in data["rows"] if r["model"] == model and "ms" in r]
+        rows = [r for r in data["rows"] if r["model"] == model and "ms" in r and r.get("kind") == "conservative"]
         # the same precision on the lean engine at one size and engine auto at another is one line:
         # what the calculator runs at each size
         lines: dict[str, list[dict]] = {}
