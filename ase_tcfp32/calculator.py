@@ -73,17 +73,17 @@ def _check_dtype(dtype, precision: str, emulate: str | None) -> bool:
     return names[dtype]
 
 
-def _rotations_quadrature(order: int | None, batch_size: int | None):
-    """The rotations and weights of ``rotational_average_order`` (None: no averaging)."""
+def _check_rotational_average(order: int | None, batch_size: int | None) -> None:
+    """A clear error for a rotational-average order or batch size we cannot use."""
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"rotational_average_batch_size is a positive number of copies, not {batch_size!r}")
-    if order is None:
+    if not order:
         if batch_size is not None:
             raise ValueError("rotational_average_batch_size needs rotational_average_order")
-        return None
+        return
     from ._rotations import quadrature
 
-    return quadrature(order)
+    quadrature(order)  # the order's checks
 
 
 class TCPETCalculator(Calculator):
@@ -180,7 +180,8 @@ class TCPETCalculator(Calculator):
             raise ValueError(f"non_conservative is False, True, 'forces' or 'stress', not {non_conservative!r}")
         if variants is not None and not isinstance(variants, dict):
             raise TypeError(f"variants is a dict such as {{'energy': 'r2scan'}}, not {variants!r}")
-        self.rotations = _rotations_quadrature(rotational_average_order, rotational_average_batch_size)
+        _check_rotational_average(rotational_average_order, rotational_average_batch_size)
+        self.rotational_average_order = rotational_average_order or None  # 0 or None: no averaging, as upet
         self.rotational_average_batch_size = rotational_average_batch_size
         self.non_conservative = non_conservative
         direct = (FORCE,) * (non_conservative in (True, "forces")) + (STRESS,) * (non_conservative in (True, "stress"))
@@ -335,7 +336,7 @@ class TCPETCalculator(Calculator):
             return []
         for atoms in structures:
             self.check_atoms(atoms, [p for p in properties if p == "energy" or p == "forces"])
-        if self.rotations is not None:
+        if self.rotational_average_order:
             return [self._averaged(atoms, properties) for atoms in structures]
         return self._compute(structures, properties)
 
@@ -376,12 +377,15 @@ class TCPETCalculator(Calculator):
         return results
 
     def _averaged(self, atoms: Atoms, properties) -> dict:
-        """``properties`` of ``atoms`` averaged over :attr:`rotations` (batched evaluations)."""
+        """``properties`` of ``atoms`` averaged over rotations (:mod:`ase_tcfp32._rotations`:
+        the copies in batched evaluations)."""
         from ._rotations import evaluate_averaged
 
-        return evaluate_averaged(
-            lambda copies: self._compute(copies, properties), atoms, self.rotations, self.rotational_average_batch_size
-        )
+        def evaluate(copies):
+            return self._compute(copies, properties)
+
+        order, batch_size = self.rotational_average_order, self.rotational_average_batch_size
+        return evaluate_averaged(evaluate, atoms, order, batch_size)
 
     @contextlib.contextmanager
     def _evaluating(self, atoms: int) -> Iterator[None]:
@@ -409,7 +413,7 @@ class TCPETCalculator(Calculator):
         if atoms is not None:
             self.check_atoms(atoms, list(properties))
         super().calculate(atoms, properties, system_changes)
-        if self.rotations is not None:
+        if self.rotational_average_order:
             self.results = self._averaged(self.atoms, properties)
         else:
             self.results = self._compute([self.atoms], properties)[0]
