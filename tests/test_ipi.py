@@ -64,11 +64,11 @@ def processes():
     started.kill_all()
 
 
-def server(processes, folder, steps, batch=4, consolidate=True):
-    xml = pimd_input(f"{folder}/water.xyz", beads=4, steps=steps, batch_size=batch, sockets=f"{folder}/",
+def server(processes, folder, steps, batch=4, consolidate=True, beads=4, launcher=(str(BIN / "i-pi"),)):
+    xml = pimd_input(f"{folder}/water.xyz", beads=beads, steps=steps, batch_size=batch, sockets=f"{folder}/",
                      prefix=f"{folder}/sim", consolidate=consolidate)  # fmt: skip
     (folder / "input.xml").write_text(xml)
-    process = processes.start([str(BIN / "i-pi"), "input.xml"], folder, "server")
+    process = processes.start([*launcher, "input.xml"], folder, "server")
     deadline = time.time() + 60
     while not (folder / "pet").exists():  # the server's socket
         assert process.poll() is None and time.time() < deadline, (folder / "server.log").read_text()
@@ -83,10 +83,10 @@ def driver(processes, folder, name, template="water.xyz", **options):
     return processes.start(args, folder, name)
 
 
-def cli_driver(processes, folder, name, *options):
-    """``ase-tcfp32 ipi-driver`` for the server at ``folder/pet`` (the bundled model, fp32 on
-    CPU), with ``options`` after the defaults."""
-    command = [str(BIN / "ase-tcfp32"), "ipi-driver", "--unix", "--address", "pet", "--sockets-prefix", f"{folder}/",
+def cli_driver(processes, folder, name, *options, launcher=(str(BIN / "ase-tcfp32"), "ipi-driver")):
+    """``ase-tcfp32 ipi-driver`` (or ``launcher``) for the server at ``folder/pet`` (the
+    bundled model, fp32 on CPU), with ``options`` after the defaults."""
+    command = [*launcher, "--unix", "--address", "pet", "--sockets-prefix", f"{folder}/",
                "--template", str(folder / "water.xyz"), "--model", MODEL, "--precision", "fp32", "--device", "cpu",
                *options]  # fmt: skip
     return processes.start(command, folder, name)
@@ -309,3 +309,62 @@ def test_the_command_line_driver_serves_a_run(run_folder, processes):
     negative = cli_driver(processes, run_folder, "cli-negative", "--wait", "-1")
     assert wait(negative, run_folder, 60) != 0
     assert "--wait is a number of seconds, 0 or more, not -1.0" in (run_folder / "cli-negative.log").read_text()
+
+
+CORRECTED = (str(BIN / "ase-tcfp32"), "ipi-server")
+"""i-PI with the correction for drivers that die mid-request (ase_tcfp32._ipi_server)."""
+DYING = Path(__file__).parent / "ipi_dying_driver.py"
+BEADS, STEPS = 8, 4
+"""The killed-driver runs: path-integral NVT of 4 water molecules, 8 beads, 4 steps."""
+U = 2.0**-24
+"""FP32's unit roundoff."""
+
+
+def run_of(folder: Path) -> dict:
+    """A finished run's steps, bead potentials (eV), and each bead's positions (Å) and forces
+    (eV/Å) at every step, as arrays [bead, step, atom, 3]."""
+    out = np.loadtxt(folder / "sim.out", ndmin=2)
+    arrays = {what: np.array([[f.positions if what == "pos" else f.get_forces() for f in ase.io.read(path, ":")]
+                              for path in sorted(folder.glob(f"sim.{what}_*"))]) for what in ("pos", "for")}  # fmt: skip
+    return {"steps": out[:, 0], "potentials": out[:, 2:], **arrays}
+
+
+@pytest.fixture(scope="module")
+def unkilled_run():
+    """The run the killed-driver tests are compared with: one driver, batches of 8, through
+    ``ase-tcfp32 ipi-server``."""
+    folder = Path(tempfile.mkdtemp(prefix="tcpet-ipi-"))
+    started = Processes()
+    try:
+        ase.io.write(folder / "water.xyz", water_box(4, seed=1))
+        ipi = server(started, folder, STEPS, batch=BEADS, beads=BEADS, launcher=CORRECTED)
+        alone = cli_driver(started, folder, "driver")
+        assert wait(ipi, folder, 240, [alone]) == 0, (folder / "server.log").read_text()[-2000:]
+        yield run_of(folder)
+    finally:
+        started.kill_all()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize("drivers,batch,when", [(3, 8, "mid-request"), (2, 2, "between-requests")])
+def test_a_batched_run_survives_a_killed_driver(run_folder, processes, unkilled_run, drivers, batch, when):
+    """``ase-tcfp32 ipi-server`` with several drivers and batches; the first driver to reach
+    its second request dies by SIGKILL in it (``mid-request``: i-PI 3.3.1 alone would wait
+    forever) or after answering it (``between-requests``). Its request goes to the others:
+    every step is written once, and the trajectory is the unkilled run's, to FP32 rounding
+    (the drivers evaluate the beads in other batches) and the 8 decimals of the files."""
+    ase.io.write(run_folder / "water.xyz", water_box(4, seed=1))
+    ipi = server(processes, run_folder, STEPS, batch=batch, beads=BEADS, launcher=CORRECTED)
+    dying = (sys.executable, str(DYING), when, "2", str(run_folder / "died"))
+    started = [cli_driver(processes, run_folder, f"driver-{k}", launcher=dying) for k in range(drivers)]
+    assert wait(ipi, run_folder, 240, started) == 0, (run_folder / "server.log").read_text()[-2000:]
+    logs = [(run_folder / f"driver-{k}.log").read_text() for k in range(drivers)]
+    assert sum("dying" in log for log in logs) == 1 and sum(p.returncode == -signal.SIGKILL for p in started) == 1
+    log = (run_folder / "server.log").read_text()
+    assert "ase-tcfp32 ipi-server: i-PI " in log and "died or got unresponsive" in log
+    run = run_of(run_folder)
+    assert list(run["steps"]) == list(range(STEPS + 1)) and run["pos"].shape == unkilled_run["pos"].shape
+    printed = 1e-8  # the files' last decimal
+    for what in ("pos", "for", "potentials"):
+        scale = np.abs(unkilled_run[what]).max()
+        assert np.abs(run[what] - unkilled_run[what]).max() <= 2**10 * U * scale + printed, what
