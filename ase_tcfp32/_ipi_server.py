@@ -35,14 +35,18 @@ def _disconnect_on_error(receive):
     request's answer was read, False when the driver disconnected before it was) that also
     answers False, with the driver marked disconnected and the request untouched, when
     reading raises a connection error (``OSError``, e.g. ``ConnectionResetError``): the
-    caller puts the request back on the queue, as for any disconnection."""
+    caller puts the request back on the queue, as for any disconnection. Says so in
+    i-PI's log."""
     from ipi.interfaces.sockets import Status
+    from ipi.utils.messages import verbosity, warning
 
     @functools.wraps(receive)
     def dispatch_recv(self, request):
         try:
             return receive(self, request)
-        except OSError:  # raised by the read of the answer, before the request is changed
+        except OSError as error:  # raised by the read of the answer, before the request is changed
+            warning(f" @SOCKET:   Client {self.peername} failed while its answer was read ({error!r}): its request "
+                    "goes back to the queue (ase-tcfp32 ipi-server's correction)", verbosity.low)  # fmt: skip
             self.status = Status.Disconnected
             return False
 
