@@ -2,11 +2,14 @@
 
     python benchmarks/ipi.py [--model s] [--beads 32] [--molecules 64] [--batches 1,32]
                              [--precisions fp32,auto] [--engines auto,graphs] [--large 5760]
-                             [--driver-options neighbor_skin=0.5] [--floor] [--out FILE.json]
+                             [--driver-options neighbor_skin=0.5] [--floor] [--server i-pi]
+                             [--out FILE.json]
 
-A real i-PI server (unix socket) runs PIMD NVT of a water box with ``--beads`` beads; one
-driver process (``ase_tcfp32.ipi``) evaluates the forces, one structure per request
-(``batch_size`` 1) or ``--batches`` structures per request, in each precision and engine.
+A real i-PI server (unix socket; ``ase-tcfp32 ipi-server``: i-PI with the correction for
+drivers that die mid-request, or with ``--server i-pi`` i-PI's own launcher) runs PIMD NVT
+of a water box with ``--beads`` beads; one driver process (``ase_tcfp32.ipi``) evaluates the
+forces, one structure per request (``batch_size`` 1) or ``--batches`` structures per request,
+in each precision and engine.
 The time per MD step is the median and the mean interval between consecutive lines of
 i-PI's output file after ``--warmup`` steps; the rates per second come from the mean (every
 step counted: neighbour-list rebuilds, and steps that i-PI sends as two padded batches).
@@ -39,12 +42,15 @@ import numpy as np
 
 # this file is named like the i-PI package: keep its folder off the import path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-I_PI = shutil.which("i-pi") or str(Path(sys.executable).parent / "i-pi")
+SERVERS = {"ipi-server": [sys.executable, "-m", "ase_tcfp32.cli", "ipi-server"],
+           "i-pi": [shutil.which("i-pi") or str(Path(sys.executable).parent / "i-pi")]}
+"""The server launchers: ``ase-tcfp32 ipi-server`` of this Python, or i-PI's own ``i-pi``."""
 
 
 def run(model: str, structure, *, beads: int, steps: int, warmup: int, batch_size: int,
-        drivers: list[dict], timeout: float = 540.0) -> dict:  # fmt: skip
-    """One i-PI run; ``drivers``: per driver process its options (``precision``, ``engine``,
+        drivers: list[dict], timeout: float = 540.0, launcher: str = "ipi-server") -> dict:  # fmt: skip
+    """One i-PI run, its server started by ``launcher`` (a key of :data:`SERVERS`); ``drivers``:
+    per driver process its options (``precision``, ``engine``,
     ``device``) and, optionally, ``env`` (e.g. ``CUDA_VISIBLE_DEVICES``) and ``mode`` (an
     i-PI driver other than ours, e.g. ``"dummy"``: no options passed). Returns the median
     ms per MD step after ``warmup`` steps and the seconds to the first step."""
@@ -61,7 +67,7 @@ def run(model: str, structure, *, beads: int, steps: int, warmup: int, batch_siz
         (folder / "input.xml").write_text(xml)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         start = time.perf_counter()
-        server = subprocess.Popen([I_PI, "input.xml"], cwd=folder, stdout=open(folder / "server.log", "w"),
+        server = subprocess.Popen([*SERVERS[launcher], "input.xml"], cwd=folder, stdout=open(folder / "server.log", "w"),
                                   stderr=subprocess.STDOUT, env=env, start_new_session=True)  # fmt: skip
         started.append(server)
         while not (folder / "pet").exists():
@@ -149,6 +155,7 @@ def main() -> None:
     parser.add_argument("--large", type=int, default=0, help="also one box of this many molecules, i-PI vs ASE")
     parser.add_argument("--driver-options", default="", help="key=value,... added to every driver's options")
     parser.add_argument("--floor", action="store_true", help="also each batch size with i-PI's dummy driver (no model)")
+    parser.add_argument("--server", default="ipi-server", choices=SERVERS, help="the server's launcher (default ipi-server)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -169,7 +176,8 @@ def main() -> None:
     runs += [(precision, engine, batch) for precision in precisions for batch in batches for engine in args.engines.split(",")
              if not (engine == "graphs" and batch * len(water) <= GRAPH_ATOMS)]  # "graphs" where "auto" is graphs: skipped
     for precision, engine, batch in runs:
-        row = {"precision": precision, "engine": engine, "batch_size": batch, "beads": args.beads, "atoms": len(water)}
+        row = {"precision": precision, "engine": engine, "batch_size": batch, "beads": args.beads, "atoms": len(water),
+               "server": args.server}  # fmt: skip
         if engine == "dummy":
             driver = {"mode": "dummy"}
         else:
@@ -177,7 +185,7 @@ def main() -> None:
             row.update(model=f"random-{args.model}", **extra)
         try:
             row.update(run(model, water, beads=args.beads, steps=args.steps, warmup=args.warmup, batch_size=batch,
-                           drivers=[driver]))  # fmt: skip
+                           drivers=[driver], launcher=args.server))  # fmt: skip
             row["bead_steps_per_s"] = args.beads * 1000 / row["ms_per_step_mean"]
             row["atom_steps_per_s"] = row["bead_steps_per_s"] * len(water)
             print(f"{precision:>9} {engine:>7} {batch:>5} {row['ms_per_step']:9.1f} {row['ms_per_step_mean']:8.1f} "
@@ -192,9 +200,9 @@ def main() -> None:
         large = water_box(args.large, seed=0)
         for precision in precisions:
             row = {"precision": precision, "engine": "auto", "batch_size": 1, "beads": 1, "atoms": len(large),
-                   "model": f"random-{args.model}", "large": True, **extra}  # fmt: skip
+                   "model": f"random-{args.model}", "large": True, "server": args.server, **extra}  # fmt: skip
             row.update(run(model, large, beads=1, steps=args.steps, warmup=args.warmup, batch_size=1,
-                           drivers=[{"precision": precision, **extra}]))  # fmt: skip
+                           drivers=[{"precision": precision, **extra}], launcher=args.server))  # fmt: skip
             row["ase_ms_per_step"] = ase_step_ms(model, large, precision, steps=args.steps)
             row["atom_steps_per_s"] = len(large) * 1000 / row["ms_per_step_mean"]
             print(f"{len(large)} atoms, {precision}: i-PI {row['ms_per_step']:.1f} ms/step, ASE {row['ase_ms_per_step']:.1f} "
