@@ -88,7 +88,8 @@ def pimd_input(structure: str, *, beads: int, steps: int, batch_size: int = 1, a
     ``batch_size`` structures; writes ``prefix.out`` (step, time, each bead's potential in eV)
     and every ``trajectory_stride`` steps each bead's positions and forces (extended XYZ).
     ``consolidate=False`` selects i-PI's classic message exchange (one structure per request),
-    the one that survives a driver dying mid-request in i-PI 3.3.1 (docs/scaling.md)."""
+    the one that survives a driver dying mid-request in plain i-PI 3.3.1; ``ase-tcfp32
+    ipi-server`` corrects the consolidated one (docs/ipi_patch.md)."""
     return PIMD_INPUT.format(structure=structure, beads=beads, steps=steps, batch_size=batch_size, address=address,
                              sockets=sockets, prefix=prefix, temperature=temperature, timestep_fs=timestep_fs,
                              trajectory_stride=trajectory_stride, consolidate=consolidate)  # fmt: skip

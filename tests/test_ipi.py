@@ -203,10 +203,10 @@ def test_pimd_served_by_two_drivers_matches_direct_evaluation(two_driver_run):
 
 def test_a_killed_driver_loses_no_step(run_folder, processes):
     """One of two drivers dies mid-run: i-PI requeues its request, the other finishes the run.
-    i-PI's classic message exchange (``consolidate_messages`` false, one structure per
-    request): in 3.3.1 the consolidated exchange, which batching needs, does not survive a
-    client that dies mid-request (its polling thread ends on ConnectionResetError and the
-    server waits forever; docs/scaling.md)."""
+    Plain i-PI's classic message exchange (``consolidate_messages`` false, one structure per
+    request): in 3.3.1 the consolidated exchange, which batching needs, survives only with
+    ``ase-tcfp32 ipi-server``'s correction (:func:`test_a_batched_run_survives_a_killed_driver`,
+    docs/ipi_patch.md)."""
     steps = 12
     ipi = server(processes, run_folder, steps, batch=1, consolidate=False)
     victim = driver(processes, run_folder, "driver-a")
