@@ -168,7 +168,7 @@ def two_driver_run():
         drivers = [cli_driver(started, folder, name) for name in ("driver-a", "driver-b")]
         for name, process in zip(("driver-a", "driver-b"), drivers):
             log = folder / f"{name}.log"
-            wait_until(lambda: "serving i-PI at" in log.read_text(), process, log)
+            wait_until(lambda log=log: "serving i-PI at" in log.read_text(), process, log)
         ipi = server(started, folder, STEPS, batch=BEADS, beads=BEADS, launcher=CORRECTED)
         assert wait(ipi, folder, 240, drivers) == 0, (folder / "server.log").read_text()[-2000:]
         codes = [process.wait(timeout=30) for process in drivers]
@@ -400,6 +400,11 @@ def test_without_the_correction_a_driver_killed_mid_request_stalls_batched_i_pi(
     assert ipi.poll() is None and sum(p.poll() is None for p in started) == 1
 
 
+def header(name: str) -> bytes:
+    """An i-PI message header: the name in capitals, 12 bytes."""
+    return name.upper().ljust(12).encode()
+
+
 def test_sigterm_stops_the_driver_between_requests(run_folder, processes):
     """SIGTERM while the driver has a request: it answers it, then closes its connection
     (i-PI reads an orderly end, not a reset) and exits with 128 + 15. A fake server sends
@@ -414,7 +419,6 @@ def test_sigterm_stops_the_driver_between_requests(run_folder, processes):
     try:
         process = cli_driver(processes, run_folder, "cli-driver")
         connection, _ = listener.accept()
-        header = lambda name: name.upper().ljust(12).encode()  # noqa: E731
         positions = atoms.positions * LENGTH
         connection.sendall(header("init") + np.int32(0).tobytes() + np.int32(2).tobytes() + b"{}" + header("posdata")
                            + np.zeros(18).tobytes() + np.int32(len(atoms)).tobytes() + positions.tobytes()
