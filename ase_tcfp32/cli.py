@@ -1,4 +1,5 @@
-"""Command line: ``ase-tcfp32 validate TEST ...``, ``ase-tcfp32 warmup ...`` and ``ase-tcfp32 info``."""
+"""Command line: ``ase-tcfp32 validate TEST ...``, ``ase-tcfp32 warmup ...``, ``ase-tcfp32 info``, and i-PI's
+``ase-tcfp32 ipi-driver ...`` and ``ase-tcfp32 ipi-server INPUT.xml``."""
 
 from __future__ import annotations
 
@@ -102,6 +103,21 @@ def _ipi_driver(args) -> None:
         wait=args.wait,
         verbose=args.verbose,
     )
+
+
+def _ipi_server(args) -> None:
+    """Run i-PI on ``args.input``, corrected where its version needs it (:mod:`ase_tcfp32._ipi_server`)."""
+    from pathlib import Path
+
+    try:
+        import ipi  # noqa: F401
+    except ImportError as error:
+        raise SystemExit(f"ase-tcfp32 ipi-server needs i-PI ({error}): pip install 'ase-tcfp32[ipi]'") from None
+    from . import _ipi_server
+
+    if not Path(args.input).is_file():
+        raise SystemExit(f"ase-tcfp32 ipi-server: no i-PI input file {args.input!r}")
+    _ipi_server.run([args.input, *args.options])
 
 
 def _bytecode_cache() -> str:
@@ -242,6 +258,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     driver.add_argument("--verbose", action="store_true")
     driver.set_defaults(func=_ipi_driver)
+    server = commands.add_parser(
+        "ipi-server", help="run i-PI, corrected where a driver dying mid-request stalls it (docs/ipi_patch.md)"
+    )
+    server.add_argument("input", help="i-PI's input file (XML)")
+    server.add_argument("options", nargs=argparse.REMAINDER, help="i-PI's options, after the input file (i-pi --help)")
+    server.set_defaults(func=_ipi_server)
     info = commands.add_parser("info", help="versions, GPUs, precisions and what auto picks")
     info.set_defaults(func=_info)
     args = parser.parse_args(argv)

@@ -29,9 +29,12 @@ __DRIVER_CLASS__ = "TCPETDriver"
 
 import atexit
 import runpy
+import select
 import shutil
+import signal
 import socket
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -98,7 +101,8 @@ def pimd_input(
     ``batch_size`` structures; writes ``prefix.out`` (step, time, each bead's potential in eV)
     and every ``trajectory_stride`` steps each bead's positions and forces (extended XYZ).
     ``consolidate=False`` selects i-PI's classic message exchange (one structure per request),
-    the one that survives a driver dying mid-request in i-PI 3.3.1 (docs/scaling.md)."""
+    the one that survives a driver dying mid-request in plain i-PI 3.3.1; ``ase-tcfp32
+    ipi-server`` corrects the consolidated one (docs/ipi_patch.md)."""
     return PIMD_INPUT.format(
         structure=structure,
         beads=beads,
@@ -119,15 +123,49 @@ def driver_script() -> str:
     return shutil.which("i-pi-py_driver") or str(Path(sys.executable).parent / "i-pi-py_driver")
 
 
+class _Stopped(Exception):
+    """A SIGTERM or SIGINT stopped the driver between requests (its connection closed)."""
+
+
 class _ClientSocket(socket.socket):
     """i-PI's client socket, except that reading nothing (the server has gone) is an error:
-    i-PI 3.3.1's client loop would read empty headers forever, at full CPU."""
+    i-PI 3.3.1's client loop would read empty headers forever, at full CPU; and that once
+    :attr:`stop` is set, it closes the connection when it next waits for a message with
+    nothing unread, between requests, and raises :class:`_Stopped`."""
 
-    def recv(self, size: int, *flags) -> bytes:
+    stop: int | None = None
+    """The signal that asked the driver to stop (set by :func:`serve`'s handler)."""
+
+    def recv(self, size: int, *flags) -> bytes:  # i-PI's loop reads each message's header with recv
+        while not select.select([self], [], [], 0.0 if _ClientSocket.stop else STOP_POLL)[0]:
+            if _ClientSocket.stop:
+                self.close()
+                raise _Stopped()
         data = super().recv(size, *flags)
         if size and not data:
             raise ConnectionResetError("the server closed the connection")
         return data
+
+
+STOP_POLL = 0.25
+"""Seconds between checks for a stop while a driver waits for i-PI's next message."""
+
+
+def _stop_between_requests(signum: int, frame) -> None:
+    """The first SIGTERM or SIGINT lets the request in progress be answered, then closes
+    the connection (:class:`_ClientSocket`); a second one acts at once."""
+    _ClientSocket.stop = signum
+    for other in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(other, _HANDLERS[other])
+    print(
+        f"tcpet driver: {signal.Signals(signum).name}: stopping between requests "
+        "(after answering the one in progress; again to stop at once)",
+        flush=True,
+    )
+
+
+_HANDLERS: dict = {}
+"""SIGTERM's and SIGINT's handlers before :func:`serve` replaced them."""
 
 
 def serve(
@@ -146,7 +184,11 @@ def serve(
     listening yet is tried again every 0.1 s for ``wait`` seconds, then a clear error: the
     model is loaded before the first try, so drivers started with the server connect
     together as soon as its socket opens. A server that goes away without saying exit
-    (stopped, killed, failed) stops the driver with an error that says so."""
+    (stopped, killed, failed) stops the driver with an error that says so. Called from the
+    main thread, a SIGTERM or Ctrl-C stops the driver between requests: the request in
+    progress is answered, then the connection is closed (within :data:`STOP_POLL` s), so
+    i-PI gives the next requests to its other drivers; the exit status is 128 + the
+    signal's number. A second one stops it at once."""
     script = driver_script()
     if not Path(script).exists():
         raise SystemExit("i-PI's driver script i-pi-py_driver was not found: pip install 'ase-tcfp32[ipi]'")
@@ -156,12 +198,41 @@ def serve(
     run_driver.__globals__["socket"] = SimpleNamespace(**{**vars(socket), "socket": _ClientSocket})
     where = sockets_prefix + address if unix else f"{address}:{port}"
     print(f"tcpet driver: {driver.calculators[0]!r}; serving i-PI at {where}", flush=True)
+    _ClientSocket.stop = None
+    if threading.current_thread() is threading.main_thread():
+        _HANDLERS.update({s: signal.signal(s, _stop_between_requests) for s in (signal.SIGTERM, signal.SIGINT)})
+    try:
+        _connect_and_serve(
+            run_driver,
+            driver,
+            where,
+            wait,
+            unix=unix,
+            address=address,
+            port=port,
+            f_verbose=verbose,
+            sockets_prefix=sockets_prefix,
+        )
+    except _Stopped:
+        print(
+            f"tcpet driver: stopped by {signal.Signals(_ClientSocket.stop).name} between requests, after "
+            f"{driver.requests} requests; its connection to i-PI closed",
+            flush=True,
+        )
+        raise SystemExit(128 + _ClientSocket.stop) from None
+    finally:
+        for s, handler in _HANDLERS.items():
+            signal.signal(s, handler)
+        _HANDLERS.clear()
+
+
+def _connect_and_serve(run_driver, driver: TCPETDriver, where: str, wait: float, **options) -> None:
+    """:func:`serve`'s loop: ``run_driver(driver=driver, **options)``, tried again every
+    0.1 s for ``wait`` seconds while nobody listens at ``where``."""
     deadline = time.monotonic() + wait
     while True:
         try:
-            return run_driver(
-                unix=unix, address=address, port=port, driver=driver, f_verbose=verbose, sockets_prefix=sockets_prefix
-            )
+            return run_driver(driver=driver, **options)
         except (FileNotFoundError, ConnectionRefusedError) as error:  # its connect's, before any request
             if driver.requests:
                 raise
@@ -170,6 +241,8 @@ def serve(
                     f"tcpet driver: no i-PI server listening at {where} after {wait:g} s ({error}); "
                     "start i-pi with this address, or give the driver a longer --wait"
                 ) from None
+            if _ClientSocket.stop:
+                raise _Stopped() from None
             time.sleep(0.1)
         except ConnectionError as error:
             raise SystemExit(

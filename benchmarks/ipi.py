@@ -2,11 +2,14 @@
 
     python benchmarks/ipi.py [--model s] [--beads 32] [--molecules 64] [--batches 1,32]
                              [--precisions fp32,auto] [--engines auto,graphs] [--large 5760]
-                             [--driver-options neighbor_skin=0.5] [--floor] [--out FILE.json]
+                             [--driver-options neighbor_skin=0.5] [--floor] [--server i-pi]
+                             [--out FILE.json]
 
-A real i-PI server (unix socket) runs PIMD NVT of a water box with ``--beads`` beads; one
-driver process (``ase_tcfp32.ipi``) evaluates the forces, one structure per request
-(``batch_size`` 1) or ``--batches`` structures per request, in each precision and engine.
+A real i-PI server (unix socket; ``ase-tcfp32 ipi-server``: i-PI with the correction for
+drivers that die mid-request, or with ``--server i-pi`` i-PI's own launcher) runs PIMD NVT
+of a water box with ``--beads`` beads; one driver process (``ase_tcfp32.ipi``) evaluates the
+forces, one structure per request (``batch_size`` 1) or ``--batches`` structures per request,
+in each precision and engine.
 The time per MD step is the median and the mean interval between consecutive lines of
 i-PI's output file after ``--warmup`` steps; the rates per second come from the mean (every
 step counted: neighbor-list rebuilds, and steps that i-PI sends as two padded batches).
@@ -38,7 +41,11 @@ import numpy as np
 
 # this file is named like the i-PI package: keep its folder off the import path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-I_PI = shutil.which("i-pi") or str(Path(sys.executable).parent / "i-pi")
+SERVERS = {
+    "ipi-server": [sys.executable, "-m", "ase_tcfp32.cli", "ipi-server"],
+    "i-pi": [shutil.which("i-pi") or str(Path(sys.executable).parent / "i-pi")],
+}
+"""The server launchers: ``ase-tcfp32 ipi-server`` of this Python, or i-PI's own ``i-pi``."""
 
 
 def run(
@@ -51,8 +58,10 @@ def run(
     batch_size: int,
     drivers: list[dict],
     timeout: float = 540.0,
+    launcher: str = "ipi-server",
 ) -> dict:
-    """One i-PI run; ``drivers``: per driver process its options (``precision``, ``engine``,
+    """One i-PI run, its server started by ``launcher`` (a key of :data:`SERVERS`); ``drivers``:
+    per driver process its options (``precision``, ``engine``,
     ``device``) and, optionally, ``env`` (e.g. ``CUDA_VISIBLE_DEVICES``) and ``mode`` (an
     i-PI driver other than ours, e.g. ``"dummy"``: no options passed). Returns the median
     ms per MD step after ``warmup`` steps and the seconds to the first step."""
@@ -77,7 +86,7 @@ def run(
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         start = time.perf_counter()
         server = subprocess.Popen(
-            [I_PI, "input.xml"],
+            [*SERVERS[launcher], "input.xml"],
             cwd=folder,
             stdout=open(folder / "server.log", "w"),
             stderr=subprocess.STDOUT,
@@ -182,6 +191,9 @@ def main() -> None:
     parser.add_argument("--large", type=int, default=0, help="also one box of this many molecules, i-PI vs ASE")
     parser.add_argument("--driver-options", default="", help="key=value,... added to every driver's options")
     parser.add_argument("--floor", action="store_true", help="also each batch size with i-PI's dummy driver (no model)")
+    parser.add_argument(
+        "--server", default="ipi-server", choices=SERVERS, help="the server's launcher (default ipi-server)"
+    )
     parser.add_argument("--out", default=None, help="results file (default: benchmarks/results/ipi_<gpu>.json)")
     args = parser.parse_args()
 
@@ -208,7 +220,14 @@ def main() -> None:
         if not (engine == "graphs" and batch * len(water) <= GRAPH_ATOMS)
     ]  # "graphs" where "auto" is graphs: skipped
     for precision, engine, batch in runs:
-        row = {"precision": precision, "engine": engine, "batch_size": batch, "beads": args.beads, "atoms": len(water)}
+        row = {
+            "precision": precision,
+            "engine": engine,
+            "batch_size": batch,
+            "beads": args.beads,
+            "atoms": len(water),
+            "server": args.server,
+        }
         if engine == "dummy":
             driver = {"mode": "dummy"}
         else:
@@ -224,6 +243,7 @@ def main() -> None:
                     warmup=args.warmup,
                     batch_size=batch,
                     drivers=[driver],
+                    launcher=args.server,
                 )
             )
             row["bead_steps_per_s"] = args.beads * 1000 / row["ms_per_step_mean"]
@@ -250,6 +270,7 @@ def main() -> None:
                 "atoms": len(large),
                 "model": f"random-{args.model}",
                 "large": True,
+                "server": args.server,
                 **extra,
             }
             row.update(
@@ -261,6 +282,7 @@ def main() -> None:
                     warmup=args.warmup,
                     batch_size=1,
                     drivers=[{"precision": precision, **extra}],
+                    launcher=args.server,
                 )
             )
             row["ase_ms_per_step"] = ase_step_ms(model, large, precision, steps=args.steps)
@@ -274,7 +296,7 @@ def main() -> None:
             save(args.out, rows)
 
 
-KEY = ("precision", "engine", "batch_size", "beads", "atoms", "large", "neighbor_skin")
+KEY = ("precision", "engine", "batch_size", "beads", "atoms", "large", "neighbor_skin", "server")
 """What identifies a row of the results file: a new row replaces the old one with the same values."""
 
 

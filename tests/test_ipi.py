@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("ipi")
 
 from ase_tcfp32 import TCPETCalculator  # noqa: E402
-from ase_tcfp32.ipi import pimd_input  # noqa: E402
+from ase_tcfp32.ipi import ENERGY, LENGTH, pimd_input  # noqa: E402
 from ase_tcfp32.validation import water_box  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -44,7 +44,8 @@ class Processes:
 
     def start(self, args, folder, name):
         log = open(folder / f"{name}.log", "w")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+        # one thread each: drivers that share 2 cores with the server spin their OpenMP threads (20x slower)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
         process = subprocess.Popen(
             args, cwd=folder, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
@@ -65,10 +66,10 @@ def processes():
     started.kill_all()
 
 
-def server(processes, folder, steps, batch=4, consolidate=True):
+def server(processes, folder, steps, batch=4, consolidate=True, beads=4, launcher=(str(BIN / "i-pi"),)):
     xml = pimd_input(
         f"{folder}/water.xyz",
-        beads=4,
+        beads=beads,
         steps=steps,
         batch_size=batch,
         sockets=f"{folder}/",
@@ -76,7 +77,7 @@ def server(processes, folder, steps, batch=4, consolidate=True):
         consolidate=consolidate,
     )
     (folder / "input.xml").write_text(xml)
-    process = processes.start([str(BIN / "i-pi"), "input.xml"], folder, "server")
+    process = processes.start([*launcher, "input.xml"], folder, "server")
     deadline = time.time() + 60
     while not (folder / "pet").exists():  # the server's socket
         assert process.poll() is None and time.time() < deadline, (folder / "server.log").read_text()
@@ -104,12 +105,11 @@ def driver(processes, folder, name, template="water.xyz", **options):
     return processes.start(args, folder, name)
 
 
-def cli_driver(processes, folder, name, *options):
-    """``ase-tcfp32 ipi-driver`` for the server at ``folder/pet`` (the bundled model, fp32 on
-    CPU), with ``options`` after the defaults."""
+def cli_driver(processes, folder, name, *options, launcher=(str(BIN / "ase-tcfp32"), "ipi-driver")):
+    """``ase-tcfp32 ipi-driver`` (or ``launcher``) for the server at ``folder/pet`` (the
+    bundled model, fp32 on CPU), with ``options`` after the defaults."""
     command = [
-        str(BIN / "ase-tcfp32"),
-        "ipi-driver",
+        *launcher,
         "--unix",
         "--address",
         "pet",
@@ -160,9 +160,13 @@ i-PI closes the sockets (the drivers exit) before it writes its final files and 
 
 def wait(process, folder, seconds, drivers=()):
     """``process``'s exit code, within ``seconds`` and at most :data:`GRACE` seconds after
-    the last of ``drivers`` has gone."""
+    the last of ``drivers`` has gone. Waiting for a server with ``drivers``: a failure at
+    once if i-PI's polling thread has ended (the run would wait forever: docs/ipi_patch.md)."""
     deadline = time.time() + seconds
     while process.poll() is None:
+        log = folder / "server.log"
+        if drivers and log.exists() and "Exception in thread poll_" in log.read_text():
+            pytest.fail(f"i-PI's polling thread ended: the run cannot go on\n{log.read_text()[-3000:]}")
         if drivers and all(d.poll() is not None for d in drivers):
             deadline = min(deadline, time.time() + GRACE)
             drivers = ()
@@ -173,54 +177,89 @@ def wait(process, folder, seconds, drivers=()):
     return process.returncode
 
 
-def frames(folder, what, bead):
-    return ase.io.read(next(folder.glob(f"sim.{what}_{bead}.*")), ":")
+CORRECTED = (str(BIN / "ase-tcfp32"), "ipi-server")
+"""i-PI with the correction for drivers that die mid-request (ase_tcfp32._ipi_server)."""
+BEADS, STEPS = 8, 4
+"""The runs of two or three drivers: path-integral NVT of 8 water molecules, 8 beads, 4 steps."""
 
 
-def test_pimd_served_by_two_drivers_matches_direct_evaluation(run_folder, processes):
-    """4-bead PIMD NVT, batches of 4, two drivers: for every bead and step, i-PI's forces and
-    bead energies are those of a direct ASE evaluation of the positions i-PI sent. The
-    drivers load their model first and wait for the server, so both serve the run (a driver
-    started after the run's end would find no server)."""
-    steps = 4
-    drivers = [cli_driver(processes, run_folder, name) for name in ("driver-a", "driver-b")]
-    for name, process in zip(("driver-a", "driver-b"), drivers):
-        log = run_folder / f"{name}.log"
-        wait_until(lambda: "serving i-PI at" in log.read_text(), process, log)
-    ipi = server(processes, run_folder, steps)
-    assert wait(ipi, run_folder, 240, drivers) == 0, (run_folder / "server.log").read_text()[-2000:]
-    assert (run_folder / "server.log").read_text().count("Handshaking was successful") == 2
-    properties = np.loadtxt(run_folder / "sim.out", ndmin=2)
-    assert properties.shape[0] == steps + 1  # step 0 and every step after
-    served = 0
-    for name, process in zip(("driver-a", "driver-b"), drivers):  # each says at exit what it served
-        assert process.wait(timeout=30) == 0
-        found = re.search(
-            r"tcpet driver: (\d+) requests, (\d+) of them ending in repeated structures",
-            (run_folder / f"{name}.log").read_text(),
+def run_of(folder: Path) -> dict:
+    """A finished run's steps, bead potentials (eV), and each bead's positions (Å) and forces
+    (eV/Å) at every step, as arrays [bead, step, atom, 3]."""
+    out = np.loadtxt(folder / "sim.out", ndmin=2)
+    arrays = {
+        what: np.array(
+            [
+                [f.positions if what == "pos" else f.get_forces() for f in ase.io.read(path, ":")]
+                for path in sorted(folder.glob(f"sim.{what}_*"))
+            ]
         )
+        for what in ("pos", "for")
+    }
+    return {"steps": out[:, 0], "potentials": out[:, 2:], **arrays}
+
+
+@pytest.fixture(scope="module")
+def two_driver_run():
+    """PIMD NVT, batches of 8, two drivers, through ``ase-tcfp32 ipi-server``: the run
+    (its arrays, :func:`run_of`, and its drivers' exit codes and logs) that
+    :func:`test_pimd_served_by_two_drivers_matches_direct_evaluation` checks and the
+    killed-driver runs are compared with. The drivers load their model first and wait for
+    the server, so both serve the run (a driver started after the run's end would find no
+    server)."""
+    folder = Path(tempfile.mkdtemp(prefix="tcpet-ipi-"))
+    started = Processes()
+    try:
+        ase.io.write(folder / "water.xyz", water_box(8, seed=1))
+        drivers = [cli_driver(started, folder, name) for name in ("driver-a", "driver-b")]
+        for name, process in zip(("driver-a", "driver-b"), drivers):
+            log = folder / f"{name}.log"
+            wait_until(lambda log=log: "serving i-PI at" in log.read_text(), process, log)
+        ipi = server(started, folder, STEPS, batch=BEADS, beads=BEADS, launcher=CORRECTED)
+        assert wait(ipi, folder, 240, drivers) == 0, (folder / "server.log").read_text()[-2000:]
+        codes = [process.wait(timeout=30) for process in drivers]
+        logs = [(folder / f"{name}.log").read_text() for name in ("driver-a", "driver-b")]
+        yield {"server_log": (folder / "server.log").read_text(), "codes": codes, "logs": logs, **run_of(folder)}
+    finally:
+        started.kill_all()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_pimd_served_by_two_drivers_matches_direct_evaluation(two_driver_run):
+    """PIMD NVT, batches of 8, two drivers (:func:`two_driver_run`): for every bead and step,
+    i-PI's forces and bead energies are those of a direct ASE evaluation of the positions
+    i-PI sent; ``ase-tcfp32 ipi-server`` says what it corrected."""
+    run = two_driver_run
+    assert (
+        "ase-tcfp32 ipi-server: i-PI " in run["server_log"]
+        and run["server_log"].count("Handshaking was successful") == 2
+    )
+    assert list(run["steps"]) == list(range(STEPS + 1))  # step 0 and every step after
+    served = 0
+    for code, log in zip(run["codes"], run["logs"]):  # each says at exit what it served
+        assert code == 0
+        found = re.search(r"tcpet driver: (\d+) requests, (\d+) of them ending in repeated structures", log)
         served += int(found[1]) if found else 0
-    assert served >= steps + 1  # at least a request per step, some steps split between the drivers
-    calc = TCPETCalculator(MODEL, precision="fp32", device="cpu")
-    template = ase.io.read(run_folder / "water.xyz")
-    for bead in range(4):
-        positions, forces = frames(run_folder, "pos", bead), frames(run_folder, "for", bead)
-        assert len(positions) == len(forces) == steps + 1
-        for step in range(steps + 1):
-            atoms = template.copy()
-            atoms.positions = positions[step].positions
-            atoms.calc = calc
-            direct = atoms.get_forces()
-            assert np.abs(forces[step].get_forces() - direct).max() <= 1e-4 * max(1.0, np.abs(direct).max())
-            assert properties[step, 2 + bead] == pytest.approx(atoms.get_potential_energy(), abs=1e-4)
+    assert served >= STEPS + 1  # at least a request per step, some steps split between the drivers
+    template = water_box(8, seed=1)
+    assert run["pos"].shape == run["for"].shape == (BEADS, STEPS + 1, len(template), 3)
+    structures = []
+    for positions in run["pos"].reshape(-1, len(template), 3):  # bead-major, as the arrays
+        structures.append(template.copy())
+        structures[-1].positions = positions
+    direct = TCPETCalculator(MODEL, precision="fp32", device="cpu").evaluate(structures)
+    for (bead, step), result in zip(np.ndindex(BEADS, STEPS + 1), direct):
+        forces = result["forces"]
+        assert np.abs(run["for"][bead, step] - forces).max() <= 1e-4 * max(1.0, np.abs(forces).max())
+        assert run["potentials"][step, bead] == pytest.approx(result["energy"], abs=1e-4)
 
 
 def test_a_killed_driver_loses_no_step(run_folder, processes):
     """One of two drivers dies mid-run: i-PI requeues its request, the other finishes the run.
-    i-PI's classic message exchange (``consolidate_messages`` false, one structure per
-    request): in 3.3.1 the consolidated exchange, which batching needs, does not survive a
-    client that dies mid-request (its polling thread ends on ConnectionResetError and the
-    server waits forever; docs/scaling.md)."""
+    Plain i-PI's classic message exchange (``consolidate_messages`` false, one structure per
+    request): in 3.3.1 the consolidated exchange, which batching needs, survives only with
+    ``ase-tcfp32 ipi-server``'s correction (:func:`test_a_batched_run_survives_a_killed_driver`,
+    docs/ipi_patch.md)."""
     steps = 12
     ipi = server(processes, run_folder, steps, batch=1, consolidate=False)
     victim = driver(processes, run_folder, "driver-a")
@@ -354,3 +393,130 @@ def test_the_command_line_driver_serves_a_run(run_folder, processes):
     negative = cli_driver(processes, run_folder, "cli-negative", "--wait", "-1")
     assert wait(negative, run_folder, 60) != 0
     assert "--wait is a number of seconds, 0 or more, not -1.0" in (run_folder / "cli-negative.log").read_text()
+
+
+DYING = Path(__file__).parent / "ipi_dying_driver.py"
+"""A driver that kills itself mid-request or between requests (see its docstring)."""
+U = 2.0**-24
+"""FP32's unit roundoff."""
+
+
+@pytest.mark.parametrize("drivers,batch,when", [(3, 8, "mid-request"), (2, 2, "between-requests")])
+def test_a_batched_run_survives_a_killed_driver(run_folder, processes, two_driver_run, drivers, batch, when):
+    """``ase-tcfp32 ipi-server`` with several drivers and batches; the first driver to reach
+    its second request dies by SIGKILL in it (``mid-request``: i-PI 3.3.1 alone would wait
+    forever) or after answering it (``between-requests``). Its request goes to the others:
+    every step is written once, and the trajectory is :func:`two_driver_run`'s, to FP32 rounding
+    (the drivers evaluate the beads in other batches: 2^7 rounding units of the largest
+    value) and the 8 decimals of the files."""
+    ipi = server(processes, run_folder, STEPS, batch=batch, beads=BEADS, launcher=CORRECTED)
+    dying = (sys.executable, str(DYING), when, "2", str(run_folder / "died"))
+    started = [cli_driver(processes, run_folder, f"driver-{k}", launcher=dying) for k in range(drivers)]
+    assert wait(ipi, run_folder, 240, started) == 0, (run_folder / "server.log").read_text()[-2000:]
+    logs = [(run_folder / f"driver-{k}.log").read_text() for k in range(drivers)]
+    assert sum("dying" in log for log in logs) == 1
+    assert sorted(process.wait(timeout=30) for process in started) == [-signal.SIGKILL] + [0] * (drivers - 1)
+    log = (run_folder / "server.log").read_text()
+    assert "ase-tcfp32 ipi-server: i-PI " in log and "died or got unresponsive" in log
+    if when == "mid-request":  # the reset that stalls i-PI 3.3.1, read by the corrected method
+        assert "its request goes back to the queue (ase-tcfp32 ipi-server's correction)" in log
+    run = run_of(run_folder)
+    assert list(run["steps"]) == list(range(STEPS + 1)) and run["pos"].shape == two_driver_run["pos"].shape
+    printed = 1e-8  # the files' last decimal
+    for what in ("pos", "for", "potentials"):  # batches of 2: forces 11 roundings apart, the rest as printed
+        scale = np.abs(two_driver_run[what]).max()
+        assert np.abs(run[what] - two_driver_run[what]).max() <= 2**7 * U * scale + printed, what
+
+
+def test_without_the_correction_a_driver_killed_mid_request_stalls_batched_i_pi(run_folder, processes):
+    """What ``ase-tcfp32 ipi-server`` corrects, in plain ``i-pi`` of a version it corrects:
+    batches of 8, two drivers, the first to reach its second request killed in it. The
+    driver's end of the connection is reset (i-PI's GETFORCE stays unread), i-PI's polling
+    thread ends on the ConnectionResetError, and no step follows while the server and the
+    other driver wait, alive (until the test kills them)."""
+    from importlib.metadata import version
+
+    from ase_tcfp32._ipi_server import PATCHED_VERSIONS
+
+    if version("ipi") not in PATCHED_VERSIONS:
+        pytest.skip(f"i-PI {version('ipi')} is not a version ase-tcfp32 ipi-server corrects")
+    ipi = server(processes, run_folder, STEPS, batch=8, beads=BEADS)
+    dying = (sys.executable, str(DYING), "mid-request", "2", str(run_folder / "died"))
+    started = [cli_driver(processes, run_folder, f"driver-{k}", launcher=dying) for k in range(2)]
+    log = run_folder / "server.log"
+    wait_until(lambda: "ConnectionResetError" in log.read_text(), ipi, log)
+    assert "Exception in thread poll_pet" in log.read_text()
+    stalled = steps_written(run_folder)
+    time.sleep(3.0)  # nothing left to write any step
+    assert steps_written(run_folder) == stalled < STEPS + 1
+    assert ipi.poll() is None and sum(p.poll() is None for p in started) == 1
+
+
+def header(name: str) -> bytes:
+    """An i-PI message header: the name in capitals, 12 bytes."""
+    return name.upper().ljust(12).encode()
+
+
+def test_sigterm_stops_the_driver_between_requests(run_folder, processes):
+    """SIGTERM while the driver has a request: it answers it, then closes its connection
+    (i-PI reads an orderly end, not a reset) and exits with 128 + 15. A fake server sends
+    the request (i-PI's classic exchange: INIT, positions, GETFORCE) before the signal."""
+    import socket
+
+    atoms = ase.io.read(run_folder / "water.xyz")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(run_folder / "pet"))
+    listener.listen(1)
+    listener.settimeout(120)
+    try:
+        process = cli_driver(processes, run_folder, "cli-driver")
+        connection, _ = listener.accept()
+        positions = atoms.positions * LENGTH
+        connection.sendall(
+            header("init")
+            + np.int32(0).tobytes()
+            + np.int32(2).tobytes()
+            + b"{}"
+            + header("posdata")
+            + np.zeros(18).tobytes()
+            + np.int32(len(atoms)).tobytes()
+            + positions.tobytes()
+            + header("getforce")
+        )
+        os.kill(process.pid, signal.SIGTERM)
+        connection.settimeout(120)
+        answer = b""
+        while chunk := connection.recv(1 << 16):  # up to the driver's orderly close
+            answer += chunk
+        assert process.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        listener.close()
+    assert answer[:12] == header("forceready") and len(answer) == 12 + 8 + 4 + 24 * len(atoms) + 72 + 4 + 2
+    atoms.pbc, atoms.calc = False, TCPETCalculator(MODEL, precision="fp32", device="cpu")  # a zero cell was sent
+    assert np.frombuffer(answer[12:20])[0] == pytest.approx(atoms.get_potential_energy() * ENERGY, abs=1e-4 * ENERGY)
+    assert (
+        "tcpet driver: stopped by SIGTERM between requests, after 1 requests"
+        in (run_folder / "cli-driver.log").read_text()
+    )
+
+
+def test_ipi_server_corrects_known_i_pi_versions_only(monkeypatch, tmp_path):
+    """The correction wraps i-PI's two methods for a listed version (once, however often it
+    is asked for) and says so; any other version is left as it is, and the line says that
+    nothing was applied. A missing input file stops ``ipi-server`` before i-PI starts."""
+    from ipi.interfaces.sockets import Driver
+
+    from ase_tcfp32 import _ipi_server, cli
+
+    originals = {name: getattr(Driver, name) for name in _ipi_server.PATCHED_METHODS}
+    for name, method in originals.items():
+        monkeypatch.setattr(Driver, name, method)  # restored after the test
+    monkeypatch.setattr(_ipi_server, "version", lambda package: "9.9.9")
+    assert _ipi_server.patch_ipi().startswith("i-PI 9.9.9: no correction applied")
+    assert all(getattr(Driver, name) is method for name, method in originals.items())
+    monkeypatch.setattr(_ipi_server, "version", lambda package: _ipi_server.PATCHED_VERSIONS[-1])
+    for _ in range(2):
+        assert "corrected Driver.dispatch_recv and Driver.dispatch_recv_batch" in _ipi_server.patch_ipi()
+    assert all(getattr(Driver, name).__wrapped__ is method for name, method in originals.items())
+    with pytest.raises(SystemExit, match="ase-tcfp32 ipi-server: no i-PI input file"):
+        cli.main(["ipi-server", str(tmp_path / "missing.xml")])
