@@ -8,8 +8,8 @@ and molecules: no stress), keeping the teacher's labels (``energy``, ``forces``,
 stress as ``ref_stress``, a 9-vector, on the 3D-periodic ones) and adding ``demo_forces``
 (per atom) and ``demo_stress`` (9-vector, 3D-periodic only): the conservative forces and
 stress of MODEL (FP32, CPU), i.e. the gradients of the energy the heads must not change.
-The direct heads are fitted to these (``scripts/demo_model/heads.yaml``); the LLPR
-calibration (``scripts/demo_model/llpr.yaml``) uses the teacher's labels.
+The direct heads of the (unshipped) experiment ``scripts/demo_model/heads.yaml`` were
+fitted to these; see docs/demo_model.md, "Direct force and stress heads".
 """
 
 import sys

@@ -1,17 +1,17 @@
-"""Figures of the demo PET's direct heads and LLPR uncertainty, through metatomic-ase.
+"""Figures of the demo PET's LLPR uncertainty (and direct heads, if any), via metatomic-ase.
 
-    python scripts/demo_model/evaluate_heads.py --model ase_tcfp32/data/pet-demo-chgnet.ckpt \
+    python scripts/demo_model/evaluate_uncertainty.py --model ase_tcfp32/data/pet-demo-chgnet.ckpt \
         --test tests/data/demo_model/test.xyz --ood build/demo-model/ood.xyz \
-        --out build/demo-model/heads.json [--merge-into docs/demo_model.json]
+        --out build/demo-model/uncertainty.json [--merge-into docs/demo_model.json]
 
 The model is exported from its metatrain checkpoint and run with
 ``metatomic_ase.MetatomicCalculator`` (FP32, CPU), the path upet's calculator takes:
-conservative forces and stress (``non_conservative=False``) against the direct ones
-(``non_conservative=True``; the calculator removes the mean direct force), per family of
-the held-out test set; then ``energy_uncertainty`` (per structure and per atom) and the
-spread of ``energy_ensemble`` on the test set and on out-of-distribution structures
+``energy_uncertainty`` (per structure and per atom) and the spread of ``energy_ensemble``
+per family of the held-out test set and of out-of-distribution structures
 (``ood_structures.py``), with the real energy error against the teacher where the
-structures carry its labels.
+structures carry its labels; and, for a model with direct heads, the conservative forces
+and stress (``non_conservative=False``) against the direct ones (``non_conservative=True``;
+the calculator removes the mean direct force).
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ def calculators(checkpoint: str):
         warnings.simplefilter("ignore")
         model = load_model(checkpoint).export()
     options = dict(device="cpu", uncertainty_threshold=None)
+    if "non_conservative_force" not in model.capabilities().outputs:
+        return MetatomicCalculator(model, **options), None
     return MetatomicCalculator(model, **options), MetatomicCalculator(model, non_conservative=True, **options)
 
 
@@ -61,11 +63,12 @@ def evaluate(conservative, direct, frames) -> dict[str, list[dict]]:
         row = {"atoms": len(a), "energy": a.get_potential_energy(), "forces": a.get_forces().copy()}
         if a.pbc.all():
             row["stress"] = a.get_stress().copy()
-        b = atoms.copy()
-        b.calc = direct
-        row["direct_forces"] = b.get_forces().copy()
-        if b.pbc.all():
-            row["direct_stress"] = b.get_stress().copy()
+        if direct is not None:
+            b = atoms.copy()
+            b.calc = direct
+            row["direct_forces"] = b.get_forces().copy()
+            if b.pbc.all():
+                row["direct_stress"] = b.get_stress().copy()
         row.update(uncertainties(conservative, atoms))
         if "energy" in reference:
             row["reference_energy"] = reference["energy"]
@@ -130,7 +133,7 @@ def main() -> None:
     parser.add_argument("--test", required=True)
     parser.add_argument("--ood", required=True)
     parser.add_argument("--out", default=None)
-    parser.add_argument("--merge-into", default=None, help="a JSON file to add the results to, as 'heads_and_uncertainty'")
+    parser.add_argument("--merge-into", default=None, help="a JSON file to add the results to, as 'uncertainty'")
     args = parser.parse_args()
     torch.set_num_threads(1)
     conservative, direct = calculators(args.model)
@@ -140,9 +143,12 @@ def main() -> None:
     all_ood = [r for rows in ood.values() for r in rows]
     inside = np.array([r["sigma"] / r["atoms"] for r in all_test])
     outside = np.array([r["sigma"] / r["atoms"] for r in all_ood])
-    results = {
-        "direct_heads_vs_conservative": {f: heads_table(rows) for f, rows in sorted(test.items())}
-        | {"all": heads_table(all_test)},
+    results = {}
+    if direct is not None:
+        results["direct_heads_vs_conservative"] = {f: heads_table(rows) for f, rows in sorted(test.items())} | {
+            "all": heads_table(all_test)
+        }
+    results |= {
         "energy_uncertainty": {
             "test": {f: uncertainty_table(rows) for f, rows in sorted(test.items())} | {"all": uncertainty_table(all_test)},
             "out_of_distribution": {f: uncertainty_table(rows) for f, rows in ood.items()} | {"all": uncertainty_table(all_ood)},
@@ -158,7 +164,7 @@ def main() -> None:
     if args.merge_into:
         with open(args.merge_into) as f:
             card = json.load(f)
-        card["heads_and_uncertainty"] = results
+        card["uncertainty"] = results
         with open(args.merge_into, "w") as f:
             json.dump(card, f, indent=1)
             f.write("\n")
