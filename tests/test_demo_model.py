@@ -187,3 +187,22 @@ def test_uncertainty_is_larger_out_of_distribution(llpr_calc):
     for atoms in (_random_gas(0), _random_gas(1), compressed):
         sigma = float(_sigma(llpr_calc, atoms)["energy_uncertainty"].item()) / len(atoms)
         assert sigma > 2 * largest, atoms.get_chemical_formula()
+
+
+def test_upet_calculator_reads_the_uncertainty():
+    """upet's calculator (upet 0.3.1) loads the checkpoint by path: uncertainty and ensemble
+    work; ``non_conservative=True`` is refused, as for PET-MAD < 1.1 (no direct heads)."""
+    upet_calculator = pytest.importorskip("upet.calculator")
+
+    path = bundled_checkpoint("pet-demo-chgnet")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        calc = upet_calculator.UPETCalculator(checkpoint_path=path, device="cpu", uncertainty_threshold=None)
+        atoms = water_box(8, seed=1)
+        atoms.calc = calc
+        sigma = float(calc.get_energy_uncertainty(atoms))
+        ensemble = calc.get_energy_ensemble(atoms)
+        assert 0 < sigma / len(atoms) < 0.05 and ensemble.shape == (128,)
+        assert ensemble.mean() == pytest.approx(atoms.get_potential_energy(), abs=1e-3 * len(atoms))
+        with pytest.raises(NotImplementedError):
+            upet_calculator.UPETCalculator(checkpoint_path=path, device="cpu", non_conservative=True)
