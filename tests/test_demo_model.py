@@ -1,5 +1,8 @@
-"""The bundled demo PET: loads by name with no network, keeps its documented accuracy."""
+"""The bundled demo PET: loads by name with no network, keeps its documented accuracy, and
+carries PET-MAD's LLPR uncertainty (energy uncertainty and ensemble)."""
 
+import hashlib
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -70,3 +73,140 @@ def test_fire_relaxes_a_cantor_slab_without_collapsing_pairs(demo_calc):
     distances = atoms.get_all_distances(mic=True)
     np.fill_diagonal(distances, np.inf)
     assert distances.min() > 1.7
+
+
+# The LLPR uncertainty (docs/demo_model.md, "Uncertainty"), read the way upet reads it:
+# the checkpoint exported by metatrain, run by metatomic-ase's calculator.
+
+STAGE5_ENERGY_MODEL = "b30bc61df8c63e4250a5f5d39e95b1dc9e3a787441383f1d878af642a3cdf446"
+"""sha256 over the names and bytes of the stage-5 PET's 124 state-dict tensors (sorted by name),
+the shipped model before the LLPR (git 0336e4f): the energy model is still exactly that one."""
+
+
+def _checkpoint():
+    import metatomic.torch  # noqa: F401  (registers the TorchScript classes the checkpoint holds)
+    import torch
+
+    return torch.load(bundled_checkpoint("pet-demo-chgnet"), weights_only=False, map_location="cpu")
+
+
+@pytest.fixture(scope="module")
+def llpr_calc():
+    from metatomic_ase import MetatomicCalculator
+    from metatrain.utils.io import load_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = load_model(bundled_checkpoint("pet-demo-chgnet")).export()
+    # per-atom energy uncertainties are ~0.3 eV in-distribution (see the card): metatomic's
+    # default 0.1 eV warning threshold would fire on every structure
+    return MetatomicCalculator(model, device="cpu", uncertainty_threshold=None)
+
+
+def _sigma(calc, atoms, sample_kind="system"):
+    from metatomic.torch import ModelOutput
+
+    outputs = {"energy_uncertainty": ModelOutput(sample_kind=sample_kind)}
+    if sample_kind == "system":
+        outputs["energy_ensemble"] = ModelOutput(sample_kind="system")
+    result = calc.run_model(atoms, outputs)
+    return {name: block.block().values.detach().numpy() for name, block in result.items()}
+
+
+def test_checkpoint_is_an_llpr_model_around_the_unchanged_pet():
+    checkpoint = _checkpoint()
+    assert checkpoint["architecture_name"] == "llpr"
+    assert checkpoint["model_data"]["hypers"]["num_ensemble_members"] == {"energy": 128}
+    assert {
+        "covariance_energy_uncertainty",
+        "cholesky_energy_uncertainty",
+        "multiplier_energy_uncertainty",
+        "llpr_ensemble_layers.energy.weight",
+    } <= set(checkpoint["model_state_dict"])
+    assert checkpoint["model_state_dict"]["llpr_ensemble_layers.energy.weight"].shape == (128, 128)
+    multiplier = float(checkpoint["model_state_dict"]["multiplier_energy_uncertainty"])
+    assert np.isfinite(multiplier) and multiplier > 0
+    wrapped = checkpoint["wrapped_model_checkpoint"]
+    assert wrapped["architecture_name"] == "pet"
+    state = {name: value for name, value in wrapped["model_state_dict"].items() if hasattr(value, "numpy")}
+    assert len(state) == 124 and set(wrapped["model_data"]["dataset_info"].targets) == {"energy"}
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        digest.update(name.encode())
+        digest.update(state[name].contiguous().numpy().tobytes())
+    assert digest.hexdigest() == STAGE5_ENERGY_MODEL
+
+
+def test_package_loader_still_gets_the_bare_pet():
+    from metatrain.pet import PET
+
+    from ase_tcfp32 import load_pet
+
+    pet = load_pet("pet-demo-chgnet")
+    assert isinstance(pet, PET) and set(pet.output_shapes) == {"energy"}
+
+
+def test_llpr_outputs_through_metatomic(llpr_calc):
+    outputs = llpr_calc._model.capabilities().outputs
+    assert {"energy", "energy_uncertainty", "energy_ensemble"} <= set(outputs)
+    assert "non_conservative_force" not in outputs  # no direct heads: see the card
+
+
+def test_uncertainties_are_finite_and_positive_on_held_out_structures(llpr_calc, demo_calc):
+    frames = read(TEST_SET, ":")
+    for atoms in [next(a for a in frames if a.info["family"] == f) for f in DOCUMENTED]:
+        system = _sigma(llpr_calc, atoms)
+        sigma, ensemble = float(system["energy_uncertainty"].item()), system["energy_ensemble"].ravel()
+        per_atom = _sigma(llpr_calc, atoms, "atom")["energy_uncertainty"].ravel()
+        assert np.isfinite(sigma) and 0 < sigma / len(atoms) < 0.05, atoms.info["family"]  # card: 3-46 meV/atom
+        assert per_atom.shape == (len(atoms),) and np.all(np.isfinite(per_atom)) and np.all(per_atom > 0)
+        assert ensemble.shape == (128,) and np.all(np.isfinite(ensemble))
+        # the ensemble is centered on the prediction, with a spread like the uncertainty
+        atoms.calc = demo_calc
+        assert ensemble.mean() == pytest.approx(atoms.get_potential_energy(), abs=1e-3 * len(atoms))
+        assert 0.7 < ensemble.std() / sigma < 1.4, atoms.info["family"]
+
+
+def _random_gas(seed: int, n: int = 24, box: float = 10.0):
+    from ase import Atoms
+
+    rng = np.random.default_rng(seed)
+    positions = []
+    while len(positions) < n:
+        p = rng.uniform(0, box, size=3)
+        if all(np.linalg.norm(p - q) > 0.9 for q in positions):
+            positions.append(p)
+    return Atoms(rng.choice(["H", "C", "O"], size=n).tolist(), positions=positions, cell=[box] * 3, pbc=False)
+
+
+def test_uncertainty_is_larger_out_of_distribution(llpr_calc):
+    """The card: largest held-out uncertainty 46 meV/atom (a contacts structure); a random
+    H/C/O gas 196-318 meV/atom, Cantor and Pt cells compressed to 80% 61-292 meV/atom."""
+    from ase.build import bulk
+
+    frames = read(TEST_SET, ":")
+    held_out = [frames[i] for i in range(0, len(frames), 4)]  # 16 structures, every family
+    largest = max(float(_sigma(llpr_calc, a)["energy_uncertainty"].item()) / len(a) for a in held_out)
+    compressed = bulk("Pt", "fcc", a=3.92 * 0.8, cubic=True) * (2, 2, 2)
+    for atoms in (_random_gas(0), _random_gas(1), compressed):
+        sigma = float(_sigma(llpr_calc, atoms)["energy_uncertainty"].item()) / len(atoms)
+        assert sigma > 2 * largest, atoms.get_chemical_formula()
+
+
+def test_upet_calculator_reads_the_uncertainty():
+    """upet's calculator (upet 0.3.1) loads the checkpoint by path: uncertainty and ensemble
+    work; ``non_conservative=True`` is refused, as for PET-MAD < 1.1 (no direct heads)."""
+    upet_calculator = pytest.importorskip("upet.calculator")
+
+    path = bundled_checkpoint("pet-demo-chgnet")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        calc = upet_calculator.UPETCalculator(checkpoint_path=path, device="cpu", uncertainty_threshold=None)
+        atoms = water_box(8, seed=1)
+        atoms.calc = calc
+        sigma = float(calc.get_energy_uncertainty(atoms))
+        ensemble = calc.get_energy_ensemble(atoms)
+        assert 0 < sigma / len(atoms) < 0.05 and ensemble.shape == (128,)
+        assert ensemble.mean() == pytest.approx(atoms.get_potential_energy(), abs=1e-3 * len(atoms))
+        with pytest.raises(NotImplementedError):
+            upet_calculator.UPETCalculator(checkpoint_path=path, device="cpu", non_conservative=True)
