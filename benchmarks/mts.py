@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from _timing import md_step_times
 from ase import units
-from ase.md.velocitydistribution import MaxwellBoltzmannDistribution, Stationary
+from ase.md.velocitydistribution import Stationary, thermalize_momenta
 from ase.md.verlet import VelocityVerlet
 
 from ase_tcfp32 import TCPETCalculator
@@ -85,9 +85,7 @@ def measure(calc, atoms, integrator: str, inner: int, dt_fs: float, steps: int, 
     ``drift_ps``, the total-energy drift."""
     atoms = atoms.copy()
     atoms.calc = calc
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        MaxwellBoltzmannDistribution(atoms, temperature_K=300, rng=np.random.default_rng(0))
+    thermalize_momenta(atoms, temperature_K=300, rng=np.random.default_rng(0))
     Stationary(atoms)
     if integrator == "verlet":
         dyn = VelocityVerlet(atoms, dt_fs * units.fs)

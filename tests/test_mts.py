@@ -15,7 +15,7 @@ import pytest
 from ase import units
 from ase.calculators.emt import EMT
 from ase.io import Trajectory
-from ase.md.velocitydistribution import MaxwellBoltzmannDistribution, Stationary
+from ase.md.velocitydistribution import Stationary, thermalize_momenta
 from ase.md.verlet import VelocityVerlet
 
 from ase_tcfp32 import TCPETCalculator
@@ -35,9 +35,7 @@ def pet():
 def water():
     """8 water molecules at 300 K, no net momentum."""
     atoms = water_box(8, seed=1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        MaxwellBoltzmannDistribution(atoms, temperature_K=300, rng=np.random.default_rng(0))
+    thermalize_momenta(atoms, temperature_K=300, rng=np.random.default_rng(0))
     Stationary(atoms)
     return atoms
 
