@@ -166,3 +166,21 @@ def test_langevin_reaches_its_temperature(pet, water):
     dyn.run(150)
     assert np.mean(temperatures[-120:]) == pytest.approx(300, rel=0.15)
     assert dyn.todict()["temperature_K"] == 300
+
+
+@pytest.mark.gpu
+def test_graphs_engine_records_each_kind_of_evaluation_once(tiny_ckpt):
+    """On the GPU (engine="graphs"): the direct-only and the combined evaluations each
+    replay their own recorded CUDA graph (two recordings for the run, not one per switch),
+    and the trajectory is the eager lean engine's to FP32 rounding."""
+    water = water_box(64, seed=0)
+    thermalize_momenta(water, temperature_K=300, rng=np.random.default_rng(0))
+    runs = {}
+    for engine in ("graphs", "lean"):
+        atoms = with_calculator(
+            water, TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", engine=engine, check_accuracy=0)
+        )
+        MTSVelocityVerlet(atoms, 0.5 * units.fs, inner_steps=4).run(3)
+        runs[engine] = atoms
+    assert runs["graphs"].calc._engine.recordings <= 4  # 2 (4 after a widening); one per switch: 7
+    assert np.abs(runs["graphs"].positions - runs["lean"].positions).max() < 1e-5
