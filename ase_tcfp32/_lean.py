@@ -136,7 +136,7 @@ class LeanPET:
         self.evaluations = 0
         self.recordings = 0  # CUDA graphs recorded
         self.check_every = check_every
-        self._graph: Graph | None = None
+        self._graphs: dict[tuple, Graph] = {}  # by the outputs they compute (MTS alternates two)
         self._far = torch.tensor([_FAR, 0.0, 0.0], device=device, dtype=self.dtype)  # here: no host copy in a graph
         solver = self.backend.adaptive_cutoff_method.lower() == "solver"
         self._adaptive_cutoffs = (
@@ -169,15 +169,15 @@ class LeanPET:
 
     def _use(self, batch: Structures) -> None:
         """Pairs for ``batch``: a new system gets its skin, graph policy and table anew; a
-        stale list is rebuilt (into the recorded graph's buffers where they fit)."""
+        stale list is rebuilt (into the recorded graphs' buffers where they fit)."""
         if self.neighbors.new_system(batch):
             sizes = torch.tensor(batch.sizes)
             self.system = torch.repeat_interleave(torch.arange(len(sizes)), sizes).to(self.device)
             self.cuda_graphs = len(batch.numbers) <= self.graph_atoms
             self.neighbors.skin = self.skins[0] if self.cuda_graphs else self.skins[1]
             self._set_width(0)
-        if self.neighbors.stale(batch) and not self.neighbors.update(batch, in_place=self._graph is not None):
-            self._graph = None
+        if self.neighbors.stale(batch) and not self.neighbors.update(batch, in_place=bool(self._graphs)):
+            self._graphs = {}
 
     @property
     def width(self) -> int:
@@ -185,13 +185,13 @@ class LeanPET:
         return self.columns.numel()
 
     def _set_width(self, width: int) -> None:
-        """A table of ``width`` columns from the next evaluation on (not the recorded graph's)."""
-        self.columns, self._graph = torch.arange(width, device=self.device), None
+        """A table of ``width`` columns from the next evaluation on (not the recorded graphs')."""
+        self.columns, self._graphs = torch.arange(width, device=self.device), {}
 
     def _set_rows(self, pairs: int) -> None:
         """Packed rows for ``pairs`` kept pairs and :data:`ROW_SPARE` more, from the next
-        evaluation on (not the recorded graph's)."""
-        self.rows, self._graph = round_up(int(pairs * (1 + ROW_SPARE)) + 64, 256), None
+        evaluation on (not the recorded graphs')."""
+        self.rows, self._graphs = round_up(int(pairs * (1 + ROW_SPARE)) + 64, 256), {}
 
     # ----- one evaluation on tensors ----------------------------------------------------
 
@@ -379,11 +379,10 @@ class LeanPET:
             with watchdog.check_all():
                 return self._step(positions, cells, numbers, system, **flags)
         key = tuple(flags.values())
-        if self._graph is None or self._graph.key != key:
-            self._graph = None  # its memory goes before the next one is recorded
+        if key not in self._graphs:  # recorded once per shape for each set of outputs asked
             torch.cuda.synchronize(self.device)
             with progress.doing(f"recording a CUDA graph ({positions.shape[0]} atoms, table width {self.width})"):
                 step = functools.partial(self._step, **flags)
-                self._graph = Graph(step, (positions, cells, numbers, system), self.device, key=key)
+                self._graphs[key] = Graph(step, (positions, cells, numbers, system), self.device, key=key)
             self.recordings += 1
-        return self._graph.replay(positions, cells, numbers, system)
+        return self._graphs[key].replay(positions, cells, numbers, system)

@@ -218,7 +218,7 @@ class TCPETCalculator(Calculator):
         dtype = next(self.pet.parameters()).dtype
         if self.precision not in ("fp32", "fp64") and dtype != torch.float32:
             raise ValueError(f"precision {self.precision!r} needs a float32 model, this one is {dtype}")
-        heads = Heads(self.pet, variants, direct)  # a missing head or variant fails here, before any work
+        self.heads = heads = Heads(self.pet, variants, direct)  # a missing head or variant fails here, before any work
         self._direct_forces, self._direct_stress = FORCE in direct, STRESS in direct
         ours = float64 is False and prepare_model(
             self.pet,

@@ -90,6 +90,7 @@ def _ipi_driver(args) -> None:
             device=args.device,
             engine=args.engine,
             neighbor_skin=args.neighbor_skin,
+            non_conservative=args.non_conservative,
             verbose=args.verbose,
         )
     except ValueError as error:  # a bad option or template, said before anything is served
@@ -255,6 +256,14 @@ def main(argv: list[str] | None = None) -> None:
         type=float,
         default=60.0,
         help="seconds to wait for the server's socket after the model is loaded (default 60)",
+    )
+    driver.add_argument(
+        "--non-conservative",
+        nargs="?",
+        const="true",
+        default="false",
+        choices=("true", "forces", "stress", "false"),
+        help="direct forces and stress (alone: both; or forces, stress): the direct forcefield of ipi.mts_input",
     )
     driver.add_argument("--verbose", action="store_true")
     driver.set_defaults(func=_ipi_driver)

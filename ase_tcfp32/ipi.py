@@ -18,6 +18,8 @@ and ``device`` (``"cuda:0;cuda:1"`` splits each batch across GPUs, one calculato
 thread per GPU), as for :class:`TCPETCalculator`. A batch that i-PI pads with copies of its
 last structure (sent before enough requests were queued) goes, without its copies, to a
 second calculator per device that records no CUDA graphs (:meth:`TCPETDriver.compute`).
+``non_conservative`` (``true``, ``forces`` or ``stress``: :func:`non_conservative_option`)
+reads the model's direct heads: the direct forcefield of multiple time stepping (:func:`mts_input`).
 Units and conventions are i-PI's: atomic units, the cell's lattice vectors as columns, and
 the virial ``-dE/dstrain`` (``-stress * volume``) in Hartree.
 """
@@ -116,6 +118,111 @@ def pimd_input(
         trajectory_stride=trajectory_stride,
         consolidate=consolidate,
     )
+
+
+MTS_INPUT = """<simulation verbosity='low' sockets_prefix='{sockets}' safe_stride='100000'>
+  <output prefix='{prefix}'>
+    <properties stride='1' filename='out'>
+      [ step, time{{picosecond}}, conserved{{electronvolt}}, potential{{electronvolt}}, kinetic_md{{electronvolt}} ]
+    </properties>
+    <trajectory filename='pos' stride='{trajectory_stride}' format='ase'> positions{{ase}} </trajectory>
+    <trajectory filename='vel' stride='{trajectory_stride}' format='ase'> velocities{{ase}} </trajectory>
+    <checkpoint stride='100000'/>
+  </output>
+  <total_steps>{steps}</total_steps>
+  <prng><seed>{seed}</seed></prng>
+  <ffsocket name='direct' mode='unix' pbc='false'>
+    <address>{address}-direct</address> <latency>1e-4</latency>
+  </ffsocket>
+  <ffsocket name='conservative' mode='unix' pbc='false'>
+    <address>{address}-conservative</address> <latency>1e-4</latency>
+  </ffsocket>
+  <system>
+    <initialize nbeads='1'>
+      <file mode='ase'> {structure} </file>
+      <velocities mode='thermal' units='kelvin'> {temperature} </velocities>
+    </initialize>
+    <forces>
+      <force forcefield='conservative'> <mts_weights>[1, 0]</mts_weights> </force>
+      <force forcefield='direct'> <mts_weights>[-1, 1]</mts_weights> </force>
+    </forces>
+    <motion mode='dynamics'>
+      <dynamics mode='{mode}'>
+        <timestep units='femtosecond'> {outer_fs} </timestep>
+        <nmts>[1, {inner_steps}]</nmts>{thermostat}
+      </dynamics>
+    </motion>
+    <ensemble><temperature units='kelvin'> {temperature} </temperature></ensemble>
+  </system>
+</simulation>
+"""
+
+
+def mts_input(
+    structure: str,
+    *,
+    inner_steps: int,
+    steps: int,
+    address: str = "pet",
+    sockets: str = "/tmp/ipi_",
+    prefix: str = "simulation",
+    temperature: float = 300.0,
+    timestep_fs: float = 0.5,
+    thermostat_tau_fs: float | None = None,
+    trajectory_stride: int = 1,
+    seed: int = 31415,
+) -> str:
+    """An i-PI input (XML) for multiple time stepping (r-RESPA) of ``structure`` (a file ASE
+    reads) with PET's direct forces, what :class:`ase_tcfp32.mts.MTSVelocityVerlet` does in
+    ASE: ``inner_steps`` inner steps of ``timestep_fs`` on the direct forces per outer step
+    of ``inner_steps * timestep_fs`` (i-PI's ``<timestep>`` is the outer one, its
+    ``<nmts>[1, M]</nmts>`` the inner steps per outer step), and the correction
+    (conservative minus direct) as half kicks of the outer step around them.
+
+    Two forcefields, each served by a driver over the unix socket ``sockets + address``
+    with the suffix ``-direct`` or ``-conservative``: ``direct`` (``ase-tcfp32 ipi-driver
+    --non-conservative``: direct forces and stress, a forward pass) with the MTS weights
+    ``[-1, 1]`` (minus on the outer level, plus on the inner one) and ``conservative`` (the
+    plain driver) with ``[1, 0]``. The potential and virial i-PI reports are the
+    conservative ones (the direct forcefield's weights sum to zero). Per outer step:
+    ``inner_steps`` direct evaluations, one conservative.
+
+    NVE from velocities drawn at ``temperature`` (K) with i-PI's random seed ``seed``; with
+    ``thermostat_tau_fs``, NVT with i-PI's Langevin thermostat of that time constant
+    (applied on the outer step, around the slow kicks). Writes ``prefix.out`` (step, time,
+    conserved, potential and kinetic energies in eV) and every ``trajectory_stride`` steps
+    positions and velocities (extended XYZ, ASE's units)."""
+    thermostat = (
+        ""
+        if thermostat_tau_fs is None
+        else f"\n        <thermostat mode='langevin'><tau units='femtosecond'> {thermostat_tau_fs} </tau></thermostat>"
+    )
+    return MTS_INPUT.format(
+        structure=structure,
+        inner_steps=inner_steps,
+        steps=steps,
+        address=address,
+        sockets=sockets,
+        prefix=prefix,
+        temperature=temperature,
+        outer_fs=inner_steps * timestep_fs,
+        mode="nve" if thermostat_tau_fs is None else "nvt",
+        thermostat=thermostat,
+        trajectory_stride=trajectory_stride,
+        seed=seed,
+    )
+
+
+def non_conservative_option(value: str | bool) -> bool | str:
+    """The driver's ``non_conservative`` option (text from i-PI) as
+    :class:`TCPETCalculator` takes it: ``true`` (direct forces and stress: one forward pass,
+    no backward; what :func:`mts_input`'s direct forcefield needs), ``forces`` (direct forces,
+    conservative virial: a backward pass for periodic systems), ``stress``, ``false``."""
+    names = {"false": False, "true": True, "forces": "forces", "stress": "stress"}
+    key = str(value).lower()
+    if key not in names:
+        raise ValueError(f"the tcpet driver's non_conservative is true, forces, stress or false, not {value!r}")
+    return names[key]
 
 
 def driver_script() -> str:
@@ -262,11 +369,13 @@ class TCPETDriver(Dummy_driver):
         device: str | None = None,
         engine: str = "auto",
         neighbor_skin: str | float | None = None,
+        non_conservative: str | bool = False,
         *args,
         **kwargs,
     ):
         self.template_file, self.model, self.precision = str(template), str(model), str(precision)
         self.device, self.engine, self.neighbor_skin = device, str(engine), neighbor_skin
+        self.non_conservative = non_conservative
         super().__init__(*args, **kwargs)  # calls check_parameters()
 
     def check_parameters(self) -> None:
@@ -277,7 +386,7 @@ class TCPETDriver(Dummy_driver):
         if self.args:
             raise ValueError(f"the tcpet driver takes key=value options only, not {self.args!r}")
         if self.kwargs:
-            known = "template, model, precision, device, engine, neighbor_skin"
+            known = "template, model, precision, device, engine, neighbor_skin, non_conservative"
             raise ValueError(f"unknown tcpet driver option(s) {', '.join(self.kwargs)}; known: {known}")
         try:
             self.template = ase.io.read(self.template_file)
@@ -293,6 +402,7 @@ class TCPETDriver(Dummy_driver):
             [d.strip() for d in str(self.device).split(";")] if self.device not in (None, "", "None") else [None]
         )
         self._skin = skin
+        self._non_conservative = non_conservative_option(self.non_conservative)
         self.calculators = self._calculators(self.engine, skin, "calculators")
         self.calculators[0].check_atoms(self.template, ["energy", "forces"])
         self._short: list | None = None  # the calculators of batches short of requests, made when one comes
@@ -307,7 +417,14 @@ class TCPETDriver(Dummy_driver):
         from ase_tcfp32.calculator import TCPETCalculator  # absolute: i-PI loads this file by its path
 
         calculators = [
-            TCPETCalculator(self.model, precision=self.precision, device=d, engine=engine, neighbor_skin=skin)
+            TCPETCalculator(
+                self.model,
+                precision=self.precision,
+                device=d,
+                engine=engine,
+                neighbor_skin=skin,
+                non_conservative=self._non_conservative,
+            )
             for d in self._devices
         ]
         if self.verbose:

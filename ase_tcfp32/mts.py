@@ -1,0 +1,237 @@
+"""Multiple time stepping (r-RESPA) with PET's direct forces, as ASE dynamics.
+
+The direct (non-conservative) forces of PET-MAD >= 1.1 come from one forward pass, without
+the backward pass that the conservative forces (minus the energy's gradient) need; they do
+not conserve energy. Multiple time stepping keeps the conservative dynamics and pays for
+the conservative forces once per outer step (Tuckerman, Berne and Martyna's r-RESPA, as in
+Bigi, Langer and Ceriotti, "The dark side of the forces", 2024):
+
+- fast force: the direct forces ``F_d``, integrated with ``M`` inner steps of ``δt``;
+- slow force: the correction ``F_c - F_d`` (conservative minus direct), applied as two
+  half kicks of ``M·δt / 2`` around the inner steps.
+
+One outer step from momenta ``p`` and positions ``x``::
+
+    p += (M·δt / 2) (F_c - F_d)                  slow half kick
+    M times:  p += (δt / 2) F_d;  move x and p over δt;  p += (δt / 2) F_d
+    p += (M·δt / 2) (F_c - F_d)                  slow half kick
+
+where "move" is a drift ``x += δt p / m`` (:class:`MTSVelocityVerlet`), or BAOAB's
+drift-thermostat-drift (:class:`MTSLangevin`). The forces after the last inner move are
+one evaluation of both kinds (:meth:`TCPETCalculator.evaluate` with ``"forces"`` and
+``"non_conservative_forces"``: one forward pass, one backward pass), so an outer step costs
+``M - 1`` direct-only evaluations (forward passes) and one of both. With ``M = 1`` this is
+velocity Verlet with the conservative forces.
+
+Conventions (ASE's): ``timestep`` is the inner step ``δt`` in ASE time units; one
+:meth:`step` (and one unit of ``run(steps)``, of ``loginterval``, of a trajectory's
+interval) is one outer step, so ``dyn.dt`` is the outer step ``M·δt`` and
+``dyn.get_time()`` the simulated time. Energies eV, forces eV/Å, momenta amu·Å/(ASE time),
+arrays [N, 3]. The potential energy that ``atoms.get_potential_energy()``, the logger and
+trajectories report is the conservative model's, at the end of each outer step (the
+calculator's cached results: no extra evaluation).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from ase import Atoms, units
+from ase.calculators.calculator import all_changes
+from ase.md.md import MolecularDynamics
+
+from ._heads import FORCE
+from .calculator import TCPETCalculator
+
+BOTH = ("energy", "forces", "non_conservative_forces")
+"""What the outer evaluation asks for: the conservative and the direct forces, one forward pass."""
+
+DIRECT = ("non_conservative_forces",)
+"""What an inner evaluation asks for: the direct forces alone, no backward pass."""
+
+
+def check_calculator(calc) -> TCPETCalculator:
+    """``calc`` if multiple time stepping can use it: a :class:`TCPETCalculator` whose
+    ``forces`` are the conservative ones and whose model has a direct force head; else a
+    clear error."""
+    if not isinstance(calc, TCPETCalculator):
+        raise TypeError(
+            "multiple time stepping with direct forces needs atoms.calc to be a TCPETCalculator, "
+            f"not {type(calc).__name__}"
+        )
+    if calc.non_conservative in (True, "forces"):
+        raise ValueError(
+            f"multiple time stepping needs the conservative forces from atoms.calc, built here with "
+            f"non_conservative={calc.non_conservative!r}: build it with non_conservative=False (the direct "
+            "forces are read on the side)"
+        )
+    if FORCE not in calc.heads.heads:
+        raise ValueError(
+            f"multiple time stepping needs direct forces, and the model {calc.model_name!r} has no direct "
+            f"force head (no '{FORCE}' output; PET-MAD has one from version 1.1)"
+        )
+    return calc
+
+
+def _check_constraints(atoms: Atoms) -> None:
+    """Constraints act on positions and momenta as in ASE's VelocityVerlet; those that add
+    a potential or redistribute forces would need the forces adjusted: refused."""
+    for constraint in atoms.constraints:
+        if hasattr(constraint, "adjust_potential_energy") or hasattr(constraint, "redistribute_forces_md"):
+            raise ValueError(f"multiple time stepping does not support the constraint {type(constraint).__name__}")
+
+
+class _RESPA(MolecularDynamics):
+    """The outer step shared by the integrators (module doc); subclasses define the inner
+    move of positions and momenta over ``δt``."""
+
+    def __init__(self, atoms: Atoms, timestep: float, inner_steps: int, **kwargs):
+        if isinstance(inner_steps, bool) or not isinstance(inner_steps, (int, np.integer)) or inner_steps < 1:
+            raise ValueError(
+                f"inner_steps is a whole number of inner steps per outer step, 1 or more, not {inner_steps!r}"
+            )
+        if not timestep > 0:
+            raise ValueError(f"timestep is the inner time step, more than 0, not {timestep!r}")
+        self._calc = check_calculator(atoms.calc)
+        _check_constraints(atoms)
+        self.inner_steps = int(inner_steps)
+        self.inner_dt = timestep
+        super().__init__(atoms, self.inner_steps * timestep, **kwargs)
+
+    def todict(self) -> dict:
+        return {**super().todict(), "inner_steps": self.inner_steps, "inner_timestep": self.inner_dt}
+
+    def _calculator(self) -> TCPETCalculator:
+        """``atoms.calc``, checked again if it was replaced since the last step."""
+        if self.atoms.calc is not self._calc:
+            self._calc = check_calculator(self.atoms.calc)
+        return self._calc
+
+    def outer_forces(self) -> tuple[np.ndarray, np.ndarray]:
+        """Conservative and direct forces [N, 3] (eV/Å) at the current positions: the
+        calculator's cached results when they hold both for these atoms, else one evaluation
+        of both whose results the calculator keeps (what ``atoms.get_forces()``,
+        ``get_potential_energy()``, the logger and trajectories then read)."""
+        calc = self._calculator()
+        if calc.check_state(self.atoms) or not all(name in calc.results for name in BOTH):
+            calc.calculate(self.atoms, list(BOTH), all_changes)
+        return calc.results["forces"], calc.results["non_conservative_forces"]
+
+    def _refresh_properties(self) -> None:
+        """After each step (and before the first): both kinds of forces cached for the
+        logger, observers and the next step (ASE's base class asks for the forces alone,
+        which before the first step would cost an evaluation more)."""
+        self.outer_forces()
+
+    def direct_forces(self) -> np.ndarray:
+        """The direct forces [N, 3] (eV/Å) at the current positions: one forward pass."""
+        return self._calculator().evaluate([self.atoms], DIRECT)[0]["non_conservative_forces"]
+
+    def _drift(self, p: np.ndarray, dt: float) -> np.ndarray:
+        """Positions moved by ``dt`` at momenta ``p``; with constraints, the momenta that
+        the constrained move implies (the first half of RATTLE, as in ASE's VelocityVerlet)."""
+        atoms = self.atoms
+        r = atoms.get_positions()
+        atoms.set_positions(r + dt * p / self.masses)
+        if atoms.constraints:
+            p = (atoms.get_positions() - r) * self.masses / dt
+        return p
+
+    def _move(self, p: np.ndarray) -> np.ndarray:
+        """Positions (and momenta, returned) moved over one inner step ``δt``."""
+        raise NotImplementedError
+
+    def step(self) -> None:
+        """One outer step: ``inner_steps`` inner steps between two slow half kicks."""
+        atoms, dt, steps = self.atoms, self.inner_dt, self.inner_steps
+        conservative, direct = self.outer_forces()
+        p = atoms.get_momenta() + 0.5 * steps * dt * (conservative - direct)
+        for inner in range(steps):
+            p = p + 0.5 * dt * direct
+            p = self._move(p)
+            atoms.set_momenta(p, apply_constraint=False)  # atoms may migrate with their momenta (as in ASE)
+            if inner < steps - 1:
+                direct = self.direct_forces()
+                atoms.set_momenta(atoms.get_momenta() + 0.5 * dt * direct)
+                p = atoms.get_momenta()
+        conservative, direct = self.outer_forces()
+        atoms.set_momenta(atoms.get_momenta() + 0.5 * dt * direct + 0.5 * steps * dt * (conservative - direct))
+
+
+class MTSVelocityVerlet(_RESPA):
+    """NVE multiple time stepping: r-RESPA with velocity Verlet inner steps on PET's
+    direct forces and the conservative correction on the outer step (module doc).
+
+    >>> atoms.calc = TCPETCalculator("pet-mad-s")  # doctest: +SKIP
+    >>> dyn = MTSVelocityVerlet(atoms, 0.5 * units.fs, inner_steps=8, logfile="-")  # doctest: +SKIP
+    >>> dyn.run(100)  # 100 outer steps: 400 fs, 100 conservative evaluations  # doctest: +SKIP
+
+    :param atoms: atoms whose ``calc`` is a :class:`TCPETCalculator` with conservative
+        forces (``non_conservative`` False or ``"stress"``) of a model with a direct force
+        head; checked here, before any step.
+    :param timestep: the inner time step ``δt`` (ASE time units: ``0.5 * ase.units.fs``).
+    :param inner_steps: ``M``, inner steps per outer step; one :meth:`step` advances ``M·δt``.
+    :param kwargs: ASE's ``MolecularDynamics`` options: ``trajectory``, ``logfile``,
+        ``loginterval`` (in outer steps), ...
+    """
+
+    def __init__(self, atoms: Atoms, timestep: float, inner_steps: int = 4, **kwargs):
+        super().__init__(atoms, timestep, inner_steps, **kwargs)
+
+    def _move(self, p: np.ndarray) -> np.ndarray:
+        return self._drift(p, self.inner_dt)
+
+
+class MTSLangevin(_RESPA):
+    """NVT multiple time stepping: r-RESPA whose inner steps are BAOAB Langevin steps on
+    PET's direct forces (module doc).
+
+    The inner move is BAOAB's middle (Leimkuhler and Matthews): a drift of ``δt / 2``, the
+    exact Ornstein-Uhlenbeck step of the momenta over ``δt``,
+    ``p = c p + sqrt((1 - c²) m kT) ξ`` with ``c = exp(-friction·δt)`` and ``ξ`` standard
+    normal, and a drift of ``δt / 2``. The thermostat thus acts at every inner step and the
+    slow kicks are those of :class:`MTSVelocityVerlet`; with ``inner_steps=1`` this is BAOAB
+    on the conservative forces. The center of mass is thermostatted like every other degree
+    of freedom (ASE's ``FixCom`` constraint keeps it still: its momentum is removed where
+    momenta are set).
+
+    :param atoms: as for :class:`MTSVelocityVerlet`.
+    :param timestep: the inner time step ``δt`` (ASE time units).
+    :param temperature_K: the thermostat's temperature (K).
+    :param friction: the friction ``γ`` in inverse ASE time units (``0.01 / ase.units.fs``:
+        a relaxation time of 100 fs).
+    :param inner_steps: ``M``, inner steps per outer step.
+    :param rng: a numpy random generator (``standard_normal(size=...)``); default a fresh
+        ``numpy.random.default_rng()``.
+    :param kwargs: ASE's ``MolecularDynamics`` options.
+    """
+
+    def __init__(
+        self,
+        atoms: Atoms,
+        timestep: float,
+        temperature_K: float,
+        friction: float,
+        inner_steps: int = 4,
+        *,
+        rng=None,
+        **kwargs,
+    ):
+        if not temperature_K >= 0:
+            raise ValueError(f"temperature_K is 0 or more, not {temperature_K!r}")
+        if not friction >= 0:
+            raise ValueError(f"friction is 0 or more (inverse ASE time units), not {friction!r}")
+        self.temperature_K, self.friction = temperature_K, friction
+        self.rng = np.random.default_rng() if rng is None else rng
+        super().__init__(atoms, timestep, inner_steps, **kwargs)
+
+    def todict(self) -> dict:
+        return {**super().todict(), "temperature_K": self.temperature_K, "friction": self.friction}
+
+    def _move(self, p: np.ndarray) -> np.ndarray:
+        p = self._drift(p, 0.5 * self.inner_dt)
+        decay = np.exp(-self.friction * self.inner_dt)
+        noise = self.rng.standard_normal(size=p.shape)
+        self.comm.broadcast(noise, 0)
+        spread = np.sqrt((1 - decay**2) * self.masses * units.kB * self.temperature_K)
+        self.atoms.set_momenta(decay * p + spread * noise)  # constraints act on the new momenta
+        return self._drift(self.atoms.get_momenta(), 0.5 * self.inner_dt)

@@ -1,0 +1,186 @@
+"""Multiple time stepping with direct forces (ase_tcfp32.mts) on CPU: a tiny random
+PET-MAD-shaped model (random direct heads: its direct forces differ from the conservative
+ones by as much as the forces themselves, the hard case) on a box of 8 water molecules.
+
+Bounds: over a time ``t`` the correction ``F_c - F_d`` moves an atom of mass ``m`` by about
+``t² |F_c - F_d| / (2 m)``; dynamics on the direct forces alone miss it (measured: 0.99 of
+it), r-RESPA applies it as impulses whose error is of third order in the outer step
+(measured: at most 0.045 of it over 1 to 3 outer steps of 4 × 0.25 fs): bound 0.1."""
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+from ase import units
+from ase.calculators.emt import EMT
+from ase.io import Trajectory
+from ase.md.velocitydistribution import Stationary, thermalize_momenta
+from ase.md.verlet import VelocityVerlet
+
+from ase_tcfp32 import TCPETCalculator
+from ase_tcfp32.mts import MTSLangevin, MTSVelocityVerlet
+from ase_tcfp32.testing import random_pet
+from ase_tcfp32.validation import water_box
+
+BOTH = ["energy", "forces", "non_conservative_forces"]
+
+
+@pytest.fixture(scope="module")
+def pet():
+    return random_pet("tiny", seed=3, atomic_types=[1, 8])
+
+
+@pytest.fixture
+def water():
+    """8 water molecules at 300 K, no net momentum."""
+    atoms = water_box(8, seed=1)
+    thermalize_momenta(atoms, temperature_K=300, rng=np.random.default_rng(0))
+    Stationary(atoms)
+    return atoms
+
+
+def calculator(pet, **options):
+    options = {"precision": "fp32", "device": "cpu", "progress": False, **options}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return TCPETCalculator(copy.deepcopy(pet), **options)
+
+
+def with_calculator(atoms, calc):
+    atoms = atoms.copy()
+    atoms.calc = calc
+    return atoms
+
+
+def test_one_inner_step_is_velocity_verlet(pet, water):
+    """M = 1: the slow and fast half kicks add up to velocity Verlet's conservative one, to
+    rounding, at every step."""
+    plain = with_calculator(water, calculator(pet))
+    mts = with_calculator(water, calculator(pet))
+    verlet, respa = VelocityVerlet(plain, 0.5 * units.fs), MTSVelocityVerlet(mts, 0.5 * units.fs, inner_steps=1)
+    for _ in range(4):
+        verlet.run(1)
+        respa.run(1)
+        assert np.abs(mts.positions - plain.positions).max() < 1e-12
+        assert np.abs(mts.get_momenta() - plain.get_momenta()).max() < 1e-12
+        assert mts.get_potential_energy() == pytest.approx(plain.get_potential_energy(), abs=1e-12)
+
+
+def test_inner_steps_follow_velocity_verlet_with_the_correction(pet, water):
+    """M = 4, 0.25 fs inner steps: after each outer step, positions are those of velocity
+    Verlet on the conservative forces (0.25 fs steps) within a tenth of the displacement the
+    correction makes (module doc), where velocity Verlet on the direct forces misses most of it."""
+    dt, inner = 0.25 * units.fs, 4
+    forces = calculator(pet).evaluate([water], BOTH)[0]
+    correction = np.abs(forces["forces"] - forces["non_conservative_forces"]).max()
+    plain = with_calculator(water, calculator(pet))
+    mts = with_calculator(water, calculator(pet))
+    direct = with_calculator(water, calculator(pet, non_conservative="forces"))
+    runs = VelocityVerlet(plain, dt), MTSVelocityVerlet(mts, dt, inner_steps=inner), VelocityVerlet(direct, dt)
+    for outer in range(1, 4):
+        runs[0].run(inner)
+        runs[1].run(1)
+        runs[2].run(inner)
+        displacement = 0.5 * (outer * inner * dt) ** 2 * correction / water.get_masses().min()
+        assert np.abs(mts.positions - plain.positions).max() < 0.1 * displacement
+        assert np.abs(direct.positions - plain.positions).max() > 0.5 * displacement
+    assert runs[1].get_time() == pytest.approx(3 * inner * dt)
+
+
+def test_energy_is_conserved(pet, water):
+    """The conservative energy over 10 outer steps of 4 × 0.25 fs (10 fs): it varies by 7e-4
+    of the kinetic energy (velocity Verlet: 6e-5); on the direct forces alone, by 700 times
+    more (their work is not the energy's change)."""
+    dt = 0.25 * units.fs
+    mts = with_calculator(water, calculator(pet))
+    direct = with_calculator(water, calculator(pet, non_conservative="forces"))
+    reference = calculator(pet)
+    runs = [(MTSVelocityVerlet(mts, dt, inner_steps=4), mts, 1), (VelocityVerlet(direct, dt), direct, 4)]
+    spans = []
+    for dyn, atoms, every in runs:
+        energies = []
+        dyn.attach(lambda a=atoms: energies.append(reference.get_potential_energy(a) + a.get_kinetic_energy()), every)
+        dyn.run(10 * every)
+        spans.append(np.ptp(energies))
+    kinetic = water.get_kinetic_energy()
+    assert spans[0] < 2e-3 * kinetic
+    assert spans[1] > 10 * spans[0]
+
+
+def test_cost_logger_trajectory_and_cached_results(pet, water, tmp_path):
+    """One outer step of M inner steps costs M evaluations (M - 1 direct, one of both
+    kinds); the logger, trajectories and atoms.get_potential_energy() read the conservative
+    model's results of the last one without evaluating again; one step is M inner steps of time."""
+    calc = calculator(pet)
+    atoms = with_calculator(water, calc)
+    dt = 0.5 * units.fs
+    trajectory = tmp_path / "md.traj"
+    dyn = MTSVelocityVerlet(atoms, dt, inner_steps=4, logfile=tmp_path / "md.log", trajectory=str(trajectory))
+    seen = []
+    dyn.attach(lambda: seen.append(atoms.get_potential_energy()))
+    dyn.run(3)
+    assert calc._engine.evaluations == 1 + 3 * 4  # the first one before the first step
+    assert dyn.dt == pytest.approx(4 * dt) and dyn.get_time() == pytest.approx(12 * dt)
+    expected = calculator(pet).evaluate([atoms], ["energy", "forces"])[0]
+    assert seen[-1] == pytest.approx(expected["energy"], abs=1e-5)
+    assert np.abs(atoms.get_forces() - expected["forces"]).max() < 1e-5
+    assert calc._engine.evaluations == 13
+    frames = Trajectory(trajectory)
+    assert len(frames) == 4 and frames[-1].get_potential_energy() == pytest.approx(seen[-1])
+    log = (tmp_path / "md.log").read_text().splitlines()
+    assert len(log) == 5 and float(log[-1].split()[0]) == pytest.approx(12 * 0.5e-3)  # time in ps
+    assert dyn.todict()["inner_steps"] == 4
+
+
+def test_unusable_calculators_are_refused_before_any_step(pet, water):
+    atoms = water.copy()
+    atoms.calc = EMT()
+    with pytest.raises(TypeError, match="needs atoms.calc to be a TCPETCalculator, not EMT"):
+        MTSVelocityVerlet(atoms, units.fs)
+    direct = calculator(pet, non_conservative="forces")
+    atoms.calc = direct
+    with pytest.raises(ValueError, match="built here with non_conservative='forces'"):
+        MTSLangevin(atoms, units.fs, 300, 0.01 / units.fs)
+    plain = copy.deepcopy(pet)
+    plain.remove_output("non_conservative_force")
+    atoms.calc = calculator(plain)
+    with pytest.raises(ValueError, match="has no direct force head"):
+        MTSVelocityVerlet(atoms, units.fs)
+    assert atoms.calc._engine.evaluations == 0 and direct._engine.evaluations == 0
+    atoms.calc = calculator(pet)
+    with pytest.raises(ValueError, match="inner_steps is a whole number"):
+        MTSVelocityVerlet(atoms, units.fs, inner_steps=0)
+
+
+def test_langevin_reaches_its_temperature(pet, water):
+    """From rest, 150 outer steps of 2 × 0.5 fs with a 5 fs relaxation time: the mean
+    temperature of the last 120 is within 15% of 300 K. 72 degrees of freedom: one sample
+    spreads by 17% of the temperature; the kinetic energy forgets in 1 / (2 friction) = 2.5 fs,
+    so ~24 independent samples, a mean spread of 3.5%: 15% is 4 spreads (seeded: 8% off)."""
+    atoms = with_calculator(water, calculator(pet))
+    atoms.set_momenta(np.zeros_like(atoms.positions))
+    dyn = MTSLangevin(atoms, 0.5 * units.fs, 300, 0.2 / units.fs, inner_steps=2, rng=np.random.default_rng(1))
+    temperatures = []
+    dyn.attach(lambda: temperatures.append(atoms.get_temperature()))
+    dyn.run(150)
+    assert np.mean(temperatures[-120:]) == pytest.approx(300, rel=0.15)
+    assert dyn.todict()["temperature_K"] == 300
+
+
+@pytest.mark.gpu
+def test_graphs_engine_records_each_kind_of_evaluation_once(tiny_ckpt):
+    """On the GPU (engine="graphs"): the direct-only and the combined evaluations each
+    replay their own recorded CUDA graph (two recordings for the run, not one per switch),
+    and the trajectory is the eager lean engine's to FP32 rounding."""
+    water = water_box(64, seed=0)
+    thermalize_momenta(water, temperature_K=300, rng=np.random.default_rng(0))
+    runs = {}
+    for engine in ("graphs", "lean"):
+        atoms = with_calculator(
+            water, TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", engine=engine, check_accuracy=0)
+        )
+        MTSVelocityVerlet(atoms, 0.5 * units.fs, inner_steps=4).run(3)
+        runs[engine] = atoms
+    assert runs["graphs"].calc._engine.recordings <= 4  # 2 (4 after a widening); one per switch: 7
+    assert np.abs(runs["graphs"].positions - runs["lean"].positions).max() < 1e-5
