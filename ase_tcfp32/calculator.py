@@ -92,7 +92,7 @@ class TCPETCalculator(Calculator):
     >>> atoms.calc = TCPETCalculator("pet-mad-s", precision="tf32x3")  # doctest: +SKIP
 
     The first seven parameters are upet's ``UPETCalculator``'s, with the same meaning
-    (:doc:`coming from upet <upet>`); a keyword neither has is refused (``TypeError``).
+    (docs/upet.md, "Coming from upet"); a keyword neither has is refused (``TypeError``).
 
     :param model: a uPET name (``"pet-mad-s"``), a metatrain ``.ckpt`` path, or a loaded
         metatrain PET model (modified in place).
