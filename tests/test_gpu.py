@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from helpers import rel_error
 
 from ase_tcfp32 import TCPETCalculator, auto_precision
 from ase_tcfp32._kernels.reference import ReferenceBackend
@@ -11,10 +12,6 @@ from ase_tcfp32.precision import support
 pytestmark = pytest.mark.gpu
 
 PRECISIONS = ["tf32", "tf32x3", "bf16x9"]
-
-
-def rel_error(y, exact):
-    return ((y.double() - exact).norm() / exact.norm()).item()
 
 
 def assert_fp32_level(err: float, fp32: float, depth: int, factor: float) -> None:
@@ -161,13 +158,6 @@ def test_cublas_bf16x9_call_reaches_cublas():
     assert rel_error(dx, y.double() @ w.double()) < 1e-6
     if torch.cuda.get_device_capability() < (10, 0):
         assert torch.equal(y, x @ w.T)
-
-
-@pytest.fixture(scope="module")
-def water192():
-    from ase_tcfp32.validation import water_box
-
-    return water_box(64, seed=0)
 
 
 def test_calculator_modes_on_gpu(tiny_ckpt, water192):
