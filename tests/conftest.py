@@ -68,6 +68,13 @@ def water():
     return water_box(8, seed=1)
 
 
+@pytest.fixture(scope="session")
+def water192():
+    """The GPU tests' periodic water box (64 molecules, 192 atoms), made once: copy it
+    before changing it."""
+    return water_box(64, seed=0)
+
+
 @pytest.fixture
 def pt_bulk():
     atoms = ase.build.bulk("Pt", "fcc", a=3.92, cubic=True)

@@ -16,6 +16,11 @@ def beads_of(atoms, count: int, seed: int = 0) -> list:
     return copies
 
 
+def rel_error(y: torch.Tensor, exact: torch.Tensor) -> float:
+    """Normwise relative error of ``y`` against ``exact`` (usually FP64)."""
+    return ((y.double() - exact).norm() / exact.norm()).item()
+
+
 def fp32_in_order(x, w):
     """``x [M, K] @ w [N, K]^T`` in IEEE FP32 with every product and every addition
     rounded, summed in the order k = 0, 1, ..., K-1: the textbook FP32 dot product, the

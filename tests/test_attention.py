@@ -1,11 +1,15 @@
-"""The attention swap on CPU: which calculators use it, what it changes in a model and what not."""
+"""The attention swap on CPU: which calculators use it, what it changes in a model and what not;
+on the GPU (``gpu``-marked) the kernels against torch FP32 SDPA and FP64, and in PET."""
 
 import copy
 import pickle
 
+import numpy as np
 import pytest
 import torch
+from helpers import rel_error
 
+from ase_tcfp32 import TCPETCalculator
 from ase_tcfp32._attention import on_tensor_cores, swap_attention_blocks
 
 pytest.importorskip("triton")
@@ -59,3 +63,211 @@ def test_the_kernels_refuse_sequences_longer_than_they_take_before_launching():
         attention.forward(torch.zeros(2, 65, 3 * 2 * 48), torch.zeros(2, 65, 65), 2, 1.0)
     with pytest.raises(ValueError, match=r"qkv \[B, T, 3\*H\*D\] and mask \[B, T, T\] expected"):
         attention.backward(torch.zeros(2, 5, 64), torch.zeros(2, 5, 96), torch.zeros(2, 5, 4), 2, 1.0)
+
+
+# --- on the GPU (pytest -m gpu tests; skipped without CUDA) ---
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine", ["metatomic", "lean"])
+def test_systems_past_the_sdpa_grid_limit(engine):
+    """66,000 atoms: in FP32, PET's SDPA backward runs in chunks of 65,535 atoms (metatrain
+    splits the batch and warns); our attention has no such limit. Energies and forces of
+    tf32x3 agree with FP32 in both engines."""
+    import warnings
+
+    from ase_tcfp32.validation import water_box
+
+    atoms = water_box(22_000, seed=1)
+    results = {}
+    for precision in ("fp32", "tf32x3"):
+        atoms.calc = TCPETCalculator("pet-demo-chgnet", precision=precision, device="cuda", engine=engine)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            results[precision] = atoms.get_potential_energy(), atoms.get_forces()
+        chunked = any("CUDA grid dimension" in str(w.message) for w in caught)
+        if precision == "tf32x3":
+            assert not chunked
+        elif engine == "lean":
+            assert chunked
+        torch.cuda.empty_cache()
+    (e32, f32), (e3, f3) = results["fp32"], results["tf32x3"]
+    assert np.isfinite(f3).all() and len(f3) == 66_000
+    assert abs(e3 - e32) / len(atoms) < 1e-5
+    assert np.abs(f3 - f32).max() < 1e-3
+
+
+def _attention_inputs(atoms: int, tokens: int, head_dim: int, seed: int = 0):
+    """PET-like attention inputs: qkv [B, T, 3*8*D], the log of per-key cutoff weights
+    repeated over the rows (padding keys at PET's clamp, 1e-15) and the scale."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    qkv = torch.randn(atoms, tokens, 3 * 8 * head_dim, device="cuda", generator=g)
+    weights = torch.rand(atoms, tokens, device="cuda", generator=g) ** 2
+    weights[:, 0], weights[:, -3:] = 1.0, 0.0
+    mask = torch.log(torch.clamp(weights[:, None, :].repeat(1, tokens, 1), 1e-15))
+    return qkv, mask, head_dim**-0.5
+
+
+def _attention_fp64(qkv, mask, scale):
+    x = qkv.reshape(*qkv.shape[:2], 3, 8, -1).permute(2, 0, 3, 1, 4)
+    p = torch.softmax(x[0] @ x[1].transpose(-1, -2) * scale + mask[:, None], -1)
+    return (p @ x[2]).transpose(1, 2).reshape(*qkv.shape[:2], -1)
+
+
+def _per_head_errors(y, exact):
+    """Normwise relative error of each (atom, head) output."""
+    split = lambda t: t.reshape(*t.shape[:2], 8, -1).transpose(1, 2).flatten(2)  # noqa: E731
+    return (split(y.double()) - split(exact)).norm(dim=-1) / split(exact).norm(dim=-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,head_dim", [(40, 32), (52, 48), (17, 16), (100, 32)])
+def test_tensor_core_attention_is_as_accurate_as_torch_fp32_sdpa(tokens, head_dim):
+    """Per (atom, head), forward and gradients: error vs FP64 at most torch FP32 SDPA's
+    (what metatrain calls; 3xTF32 on sm80 kernels) plus 2 units of 2^-24."""
+    from ase_tcfp32._attention import tc_attention
+
+    qkv, mask, scale = _attention_inputs(1000, tokens, head_dim)
+    grad = torch.randn(*qkv.shape[:2], qkv.shape[2] // 3, device="cuda")
+    results = {}
+    for name in ("ours", "sdpa"):
+        q, m = qkv.clone().requires_grad_(), mask.clone().requires_grad_()
+        if name == "ours":
+            y = tc_attention(q, m, 8, scale)
+        else:
+            x = q.reshape(*q.shape[:2], 3, 8, -1).permute(2, 0, 3, 1, 4)
+            y = torch.nn.functional.scaled_dot_product_attention(x[0], x[1], x[2], attn_mask=m[:, None], scale=scale)
+            y = y.transpose(1, 2).reshape(*q.shape[:2], -1)
+        y.backward(grad)
+        results[name] = y.detach(), q.grad, m.grad
+    q64, m64 = qkv.double().requires_grad_(), mask.double().requires_grad_()
+    exact = _attention_fp64(q64, m64, scale)
+    exact.backward(grad.double())
+    (y, dq, dm), (y_sdpa, dq_sdpa, dm_sdpa) = results["ours"], results["sdpa"]
+    ulp = 2.0**-24
+    assert _per_head_errors(y, exact).max() <= _per_head_errors(y_sdpa, exact).max() + 2 * ulp
+    assert rel_error(dq, q64.grad) <= rel_error(dq_sdpa, q64.grad) + 2 * ulp
+    assert rel_error(dm, m64.grad) <= rel_error(dm_sdpa, m64.grad) + 2 * ulp
+
+
+@pytest.mark.gpu
+def test_tensor_core_attention_one_allowed_key_gives_its_value_exactly():
+    """A row whose mask is -inf but for one key returns that key's value bit for bit."""
+    from ase_tcfp32._attention import tc_attention
+
+    qkv, mask, scale = _attention_inputs(300, 41, 32, seed=3)
+    keys = torch.randint(0, 41, (300, 41), device="cuda")
+    mask = torch.full_like(mask, float("-inf")).scatter_(2, keys[..., None], 0.5)
+    y = tc_attention(qkv, mask, 8, scale)
+    values = qkv[..., 2 * 256 :].gather(1, keys[..., None].expand(-1, -1, 256))
+    assert torch.equal(y, values)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [32, 48])
+def test_packed_attention_is_as_accurate_as_torch_fp32(head_dim):
+    """The kernels on packed sequences (PET-like: 24-40 neighbors, 8 heads) against the
+    same sequences padded and attended by torch in FP32 and FP64: normwise per sequence,
+    forward and gradients, within torch FP32's error plus 2 units of 2^-24; an atom whose
+    neighbors are all masked gets its center token's value exactly; spare rows are zero."""
+    from ase_tcfp32._attention import packed_attention_in_torch, tc_attention_packed
+    from ase_tcfp32._kernels.attention import Sequences
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    atoms, width = 2000, 3 * 8 * head_dim
+    counts = torch.randint(24, 41, (atoms,), device="cuda", generator=g)
+    first = torch.cumsum(counts, 0) - counts
+    total = int(counts.sum())
+    qkv = torch.randn(total + 100, width, device="cuda", generator=g)
+    node_qkv = torch.randn(atoms, width, device="cuda", generator=g)
+    bias = torch.log(torch.clamp(torch.rand(total + 100, device="cuda", generator=g) ** 2, 1e-15))
+    bias[first[5] : first[5] + counts[5]] = float("-inf")
+    sequences = Sequences(first, counts, torch.tensor(total, device="cuda"), 42)
+    grads = (
+        torch.randn(total + 100, width // 3, device="cuda", generator=g),
+        torch.randn(atoms, width // 3, device="cuda", generator=g),
+    )
+    results = {}
+    for name, attend, dtype in (
+        ("ours", tc_attention_packed, torch.float32),
+        ("torch", packed_attention_in_torch, torch.float32),
+        ("exact", packed_attention_in_torch, torch.float64),
+    ):
+        inputs = [t.detach().to(dtype).clone().requires_grad_() for t in (qkv, node_qkv, bias)]
+        outputs = attend(*inputs, sequences, 8, head_dim**-0.5)
+        torch.autograd.backward(outputs, [t.to(dtype) for t in grads])
+        results[name] = [o.detach() for o in outputs] + [t.grad for t in inputs]
+    ulp = 2.0**-24
+    for k, rows in enumerate((total, atoms, total, atoms, total)):  # out, node out, d qkv, d node qkv, d bias
+        exact = results["exact"][k][:rows]
+        assert rel_error(results["ours"][k][:rows], exact) <= rel_error(results["torch"][k][:rows], exact) + 2 * ulp, k
+    out, node_out = results["ours"][:2]
+    values = node_qkv[5, 2 * 8 * head_dim :]
+    assert torch.equal(node_out[5], values) and torch.equal(
+        out[first[5] : first[5] + counts[5]], values.expand(int(counts[5]), -1)
+    )
+    assert not out[total:].any() and not results["ours"][2][total:].any() and not results["ours"][4][total:].any()
+
+
+@pytest.mark.gpu
+def test_attention_blocks_on_the_gpu_pair_and_fill_as_python_does():
+    """fit_blocks compiled for the GPU: each chunk's order is a permutation of its atoms that
+    starts with as many (short, long) pairs that fit as the greedy matching finds (largest
+    long one first, with the shortest short one left), and the blocks are Python's next-fit
+    over that order; PET-like water lengths and mixed ones, 64- and 128-row blocks."""
+    from ase_tcfp32._kernels.attention import FIT_CHUNK, Sequences, fit_blocks
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for atoms, low, high, tokens, block in [(17280, 24, 39, 42, 64), (1000, 0, 39, 42, 64), (777, 30, 90, 100, 128)]:
+        counts = torch.randint(low, high + 1, (atoms,), device="cuda", generator=g)
+        blocks = fit_blocks(Sequences(torch.cumsum(counts, 0) - counts, counts, counts.sum(), tokens), block)
+        lengths, order = (counts + 1).clamp_max(tokens).tolist(), blocks.order.tolist()
+        table, slots, expected = blocks.table.tolist(), len(blocks.table) // -(-atoms // FIT_CHUNK), []
+        for first in range(0, atoms, FIT_CHUNK):
+            chunk = order[first : first + FIT_CHUNK]
+            assert sorted(chunk) == list(range(first, first + len(chunk)))
+            ordered = [lengths[a] for a in chunk]
+            short = sorted(x for x in ordered if x <= block // 2)
+            most = 0
+            for x in sorted((x for x in ordered if x > block // 2), reverse=True):
+                most += most < len(short) and short[most] + x <= block
+            pairs = 0
+            while (
+                2 * pairs + 1 < len(ordered)
+                and ordered[2 * pairs] <= block // 2 < ordered[2 * pairs + 1]
+                and ordered[2 * pairs] + ordered[2 * pairs + 1] <= block
+            ):
+                pairs += 1
+            assert pairs == most
+            fitted = [[first, 0]]
+            for p, x in enumerate(ordered, first):
+                if sum(lengths[a] for a in order[fitted[-1][0] : p]) + x > block:
+                    fitted.append([p, 0])
+                fitted[-1][1] += 1
+            expected += fitted + [[None, 0]] * (slots - len(fitted))
+        assert all(f[1] == e[1] and (e[1] == 0 or f[0] == e[0]) for f, e in zip(table, expected, strict=True))
+
+
+@pytest.mark.gpu
+def test_tensor_core_attention_in_pet_matches_sdpa_in_every_engine(tiny_ckpt, water192):
+    """tf32x3 with our attention, SwiGLU, message combination and folded compression (the
+    default for FP32-accurate precisions) against the same precision with torch's SDPA and metatrain's
+    code: energies, forces and stress to FP32 rounding, eager, compiled and in CUDA graphs."""
+    from ase_tcfp32._attention import swap_attention_blocks
+    from ase_tcfp32._folded import swap_cartesian_transformers
+    from ase_tcfp32._fused import swap_backends, swap_feed_forwards
+
+    reference = water192.copy()
+    reference.calc = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", engine="metatomic")
+    assert swap_attention_blocks(reference.calc.pet, False) and swap_feed_forwards(reference.calc.pet, False)
+    assert swap_backends(reference.calc.pet, False) == ["backend"] and swap_cartesian_transformers(
+        reference.calc.pet, False
+    )
+    e0, f0, s0 = reference.get_potential_energy(), reference.get_forces(), reference.get_stress()
+    for engine, compile in [("metatomic", False), ("lean", False), ("graphs", False), ("lean", True)]:
+        atoms = water192.copy()
+        atoms.calc = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", engine=engine, compile=compile)
+        assert atoms.calc.attention.startswith("tensor cores")
+        assert abs(atoms.get_potential_energy() - e0) / len(atoms) < 2e-6, (engine, compile)
+        assert np.abs(atoms.get_forces() - f0).max() < 3e-5, (engine, compile)
+        assert np.abs(atoms.get_stress() - s0).max() < 1e-6, (engine, compile)

@@ -1,6 +1,6 @@
 """Tuned launch configurations: chosen once, remembered in memory and on disk
 (``ase_tcfp32._kernels.autotune``), and the calculator's warm-up. The kernels themselves
-under every candidate are checked bit for bit in test_gpu.py."""
+under every candidate are checked bit for bit on the GPU (the ``gpu``-marked tests below)."""
 
 import json
 import os
@@ -10,9 +10,11 @@ import warnings
 
 import numpy as np
 import pytest
+import torch
 
 from ase_tcfp32 import TCPETCalculator
 from ase_tcfp32._kernels import autotune
+from ase_tcfp32.precision import support
 
 CANDIDATES = [{"stages": 3}, {"stages": 4}, {"stages": 6}]
 TIMES = {3: 2.0, 4: 1.0, 6: 1.5}  # ms per candidate, as a GPU would measure them
@@ -200,3 +202,55 @@ def test_tritons_installation_hash_is_read_back_and_never_taken_from_another_ins
     assert process(json.dumps({fingerprint: "kept"})) == "kept"  # read back, not recomputed
     assert process(json.dumps({"other files": "kept"})) == computed  # another installation's
     assert json.loads(path.read_text()) == {"other files": "kept", fingerprint: computed}
+
+
+# --- on the GPU (pytest -m gpu tests; skipped without CUDA) ---
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["tf32x3", "bf16x9", "fp16x3"])
+def test_every_tuning_candidate_gives_the_same_bits(tuning_cache, precision):
+    """Tuning changes tiles, stages and warps, never the K-tile: each candidate computes
+    the same bits, forward and backward; prepare() tunes both directions and writes the
+    choice to the cache file."""
+    import json
+
+    from ase_tcfp32._backends import get_backend
+    from ase_tcfp32._kernels import fp16x3
+    from ase_tcfp32._kernels.triton_gemm import TritonBackend, tile_candidates
+
+    if precision == "fp16x3" and not support("fp16x3", "cuda").available:
+        pytest.skip("fp16x3 needs Hopper")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(20_011, 256, device="cuda", generator=g)
+    w = torch.randn(384, 256, device="cuda", generator=g)
+    b = torch.randn(384, device="cuda", generator=g)
+    if precision == "fp16x3":
+        words = fp16x3.split_weight(w)
+        outputs = [fp16x3.launch(x, words, b, config) for config in fp16x3.CANDIDATES]
+    else:
+        backend = TritonBackend(precision)
+        outputs = [backend.launch(x, backend.gemm(w, config=config), b) for config in tile_candidates(384, 256)]
+    assert all(torch.equal(y, outputs[0]) for y in outputs[1:])
+
+    backend = get_backend(precision, torch.device("cuda"))
+    prepared = backend.prepare(w)
+    assert torch.equal(backend.forward(x, prepared, b), outputs[0])
+    tuned = json.loads(tuning_cache.read_text())
+    assert sorted(key.rsplit("|", 2)[1:] for key in tuned) == [["n=256", "k=384"], ["n=384", "k=256"]]
+
+
+@pytest.mark.gpu
+def test_warm_up_tunes_every_layer_before_the_first_step(tuning_cache, tiny_ckpt, water192):
+    """After warm_up() the MD steps tune nothing more (the cache file stays as it was)
+    and give what a calculator without warm-up gives."""
+    atoms = water192.copy()
+    atoms.calc = TCPETCalculator(tiny_ckpt, device="cuda")
+    assert atoms.calc.warm_up(atoms) > 0
+    tuned = tuning_cache.read_text()
+    atoms.positions += 0.01
+    forces = atoms.get_forces()
+    assert tuning_cache.read_text() == tuned
+    fresh = atoms.copy()
+    fresh.calc = TCPETCalculator(tiny_ckpt, device="cuda")
+    assert np.abs(fresh.get_forces() - forces).max() < 3e-5

@@ -334,3 +334,173 @@ def test_auto_gives_a_cpu_the_small_skin_and_explicit_skins_win(tiny_ckpt):
         SMALL_SKIN,
     )
     assert f"skin {LARGE_SKIN} Å" in repr(TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu"))
+
+
+# --- on the GPU (pytest -m gpu tests; skipped without CUDA) ---
+
+
+@pytest.mark.gpu
+def test_calculator_modes_on_gpu(tiny_ckpt, water192):
+    results = {}
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    precisions = ["fp32", "tf32", "tf32x3", "bf16x9"] + (["fp16x3"] if hopper else [])
+    for precision in precisions:
+        atoms = water192.copy()
+        atoms.calc = TCPETCalculator(tiny_ckpt, precision=precision, device="cuda")
+        backend = {"fp32": "cuBLAS SGEMM", "fp16x3": "gluon"}.get(precision, "triton")
+        assert atoms.calc.backend == backend
+        results[precision] = (atoms.get_potential_energy(), atoms.get_forces(), atoms.get_stress())
+    e32, f32, s32 = results["fp32"]
+    for precision in precisions[2:]:
+        e, f, s = results[precision]
+        assert abs(e - e32) / len(water192) < 2e-6
+        assert np.abs(f - f32).max() < 3e-5  # FP32 itself varies ~1e-5 here (atomic scatter-adds)
+        assert np.abs(s - s32).max() < 1e-6
+    assert np.abs(results["tf32"][1] - f32).max() > 1e-4
+
+
+@pytest.mark.gpu
+def test_tf32_mode_does_not_leak_and_fp32_stays_ieee(tiny_ckpt, water192):
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.fp32_precision
+    try:
+        atoms = water192.copy()
+        atoms.calc = TCPETCalculator(tiny_ckpt, precision="tf32", device="cuda")
+        atoms.get_forces()
+        assert matmul.fp32_precision == saved  # nothing switched process-wide
+        atoms = water192.copy()
+        atoms.calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cuda")
+        f_ieee = atoms.get_forces()
+        matmul.fp32_precision = "tf32"  # the user's own setting for other code
+        atoms = water192.copy()
+        atoms.calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cuda")
+        assert np.abs(atoms.get_forces() - f_ieee).max() < 1e-5  # TF32 would move them ~1e-3
+        assert matmul.fp32_precision == "tf32"
+    finally:
+        matmul.fp32_precision = saved
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["tf32x3", "fp16x3"])
+def test_compiled_calculator_on_gpu(tiny_ckpt, water192, precision):
+    """torch.compile around our kernels (a custom op): same forces as eager."""
+    if precision == "fp16x3" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("fp16x3 runs on Hopper")
+    results = {}
+    for compile in (False, True):
+        atoms = water192.copy()
+        atoms.calc = TCPETCalculator(tiny_ckpt, precision=precision, device="cuda", compile=compile)
+        results[compile] = atoms.get_potential_energy(), atoms.get_forces()
+    (e0, f0), (e1, f1) = results[False], results[True]
+    assert abs(e1 - e0) / len(water192) < 2e-6
+    assert np.abs(f1 - f0).max() < 3e-5
+
+
+@pytest.mark.gpu
+def test_low_memory_lowers_the_peak_and_keeps_the_forces():
+    """low_memory=True on a PET-MAD-S-shaped model, 3,072 water atoms: smaller peak of
+    the forces call (CPU measured 0.55x), same forces."""
+    from ase_tcfp32.testing import random_checkpoint
+    from ase_tcfp32.validation import water_box
+
+    results = {}
+    for low_memory in (False, True):
+        atoms = water_box(1024, seed=0)
+        atoms.calc = TCPETCalculator(
+            random_checkpoint("s"), precision="tf32x3", device="cuda", low_memory=low_memory, engine="metatomic"
+        )  # the same engine both ways (auto records graphs without low_memory)
+        atoms.get_potential_energy()
+        atoms.calc.reset()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        forces = atoms.get_forces()
+        results[low_memory] = torch.cuda.max_memory_allocated() - base, forces
+        del atoms
+        torch.cuda.empty_cache()
+    (peak0, f0), (peak1, f1) = results[False], results[True]
+    assert peak1 < 0.75 * peak0
+    assert np.abs(f1 - f0).max() < 1e-4  # GPU FP32 sums are not deterministic (rerun noise ~1e-5)
+
+
+TWO_THREADS = """
+import threading, numpy as np, torch
+from ase_tcfp32 import TCPETCalculator
+from ase_tcfp32.testing import random_checkpoint
+from ase_tcfp32.validation import water_box
+model = random_checkpoint("xs", seed=3)
+boxes = [water_box(256, seed=s) for s in (0, 1)]  # 768 atoms: the edge GEMMs run our kernels
+results, errors = {}, []
+def run(i):
+    try:
+        atoms = boxes[i].copy()
+        atoms.calc = TCPETCalculator(model, device="cuda", engine="lean")
+        results[i] = atoms.get_forces()
+    except BaseException as error:
+        errors.append(repr(error))
+threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+[t.start() for t in threads]
+[t.join(timeout=240) for t in threads]
+assert not errors, errors
+for i in (0, 1):  # the same forces from the main thread
+    atoms = boxes[i].copy()
+    atoms.calc = TCPETCalculator(model, device="cuda", engine="lean")
+    assert np.abs(atoms.get_forces() - results[i]).max() < 3e-5
+print("two threads ok")
+"""
+
+
+@pytest.mark.gpu
+def test_two_calculators_in_two_threads_from_empty_caches(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, ASE_TCFP32_CACHE=str(tmp_path / "cache"), TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    done = subprocess.run([sys.executable, "-c", TWO_THREADS], env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+EAGER_START = """
+import sys
+from ase_tcfp32 import TCPETCalculator
+from ase_tcfp32.validation import water_box
+atoms = water_box(64, seed=0)
+atoms.calc = TCPETCalculator("pet-demo-chgnet", device="cuda")  # the defaults: lean engine, CUDA graphs
+atoms.get_forces()
+atoms.positions += 0.01
+atoms.get_forces()
+assert "torch._dynamo" not in sys.modules, "an eager evaluation imported torch._dynamo"
+print("no dynamo")
+"""
+
+
+@pytest.mark.gpu
+def test_default_calculator_does_not_import_the_compiler():
+    """The first call of a torch.library custom op imports torch._dynamo (0.47 s
+    of a 192-atom start on the H200, with the op registrations it brings); eager code calls
+    our kernels directly, so a default calculator's process never imports it."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", EAGER_START], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "no dynamo" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_out_of_memory_says_what_fits_and_the_calculator_recovers():
+    """A system too large for the memory it may use: torch.OutOfMemoryError with the
+    estimate and the low_memory hint; then a small system works on the same calculator."""
+    from ase_tcfp32.testing import random_checkpoint
+    from ase_tcfp32.validation import water_box
+
+    calc = TCPETCalculator(random_checkpoint("s"), device="cuda")
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(0.02)  # ~2.8 GB of an H200
+    try:
+        with pytest.raises(torch.OutOfMemoryError, match="did not fit in the .* Estimated largest system here"):
+            calc.evaluate([water_box(5760, seed=0)])
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    assert np.isfinite(calc.evaluate([water_box(64, seed=0)])[0]["forces"]).all()

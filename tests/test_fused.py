@@ -1,5 +1,5 @@
 """The fused SwiGLU and message-combination swaps on CPU: which modules they change, what
-they keep, and the fallbacks."""
+they keep, and the fallbacks; on the GPU (``gpu``-marked) the kernels against FP64."""
 
 import copy
 import pickle
@@ -124,3 +124,64 @@ def test_combine_messages_on_cpu_tensors_is_metatrains_expression():
         combine_messages(o, reverse, norm),
         norm(torch.cat([o, o.reshape(12, 6)[reverse.reshape(-1)].reshape(o.shape)], -1)),
     )
+
+
+# --- on the GPU (pytest -m gpu tests; skipped without CUDA) ---
+
+
+def _assert_swiglu_errors_within_8_units(y, grad, h, grad_y):
+    """Elementwise, against FP64, where the gate is finite: a few roundings of 2^-24 each
+    (libdevice's exp, 1 + e, the division, the products), plus FP32's underflow (2^-126)
+    for results below its normal range; the gate's gradient relative to |dh v| (1 - s
+    cancels where s is near 1, as in torch's own kernels)."""
+    u, tiny = 2.0**-24, 2.0**-126
+    v, gate = (t.double() for t in y.chunk(2, dim=-1))
+    dv, dg = (t.double() for t in grad_y.chunk(2, dim=-1))
+    s, grad, finite = torch.sigmoid(gate), grad.double(), torch.isfinite(gate)
+    assert ((h.double() - v * s).abs() <= (8 * u * s + tiny) * v.abs())[finite].all()
+    assert ((dv - grad * s).abs() <= (8 * u * s + tiny) * grad.abs())[finite].all()
+    assert ((dg - grad * v * s * (1 - s)).abs() <= (8 * u + tiny) * (grad * v).abs())[finite].all()
+
+
+@pytest.mark.gpu
+def test_fused_swiglu_matches_fp64():
+    """The SwiGLU kernels (libdevice's exp on the GPU) against FP64, forward and backward,
+    with non-finite gates propagating as in torch."""
+    from ase_tcfp32._fused import swiglu
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for rows, features in [(100_003, 512), (1_001, 2048), (77, 40)]:
+        y = torch.randn(rows, 2 * features, device="cuda", generator=g) * 4
+        y[0, features : features + 5] = torch.tensor([90.0, -90.0, float("inf"), -float("inf"), float("nan")])
+        grad = torch.randn(rows, features, device="cuda", generator=g)
+        ours, plain = y.clone().requires_grad_(), y.clone().requires_grad_()
+        h = swiglu(ours)
+        h.backward(grad)
+        v, gate = plain.chunk(2, dim=-1)
+        expected = v * torch.sigmoid(gate)
+        expected.backward(grad)
+        assert torch.equal(torch.isnan(h), torch.isnan(expected)) and torch.equal(
+            torch.isnan(ours.grad), torch.isnan(plain.grad)
+        )
+        _assert_swiglu_errors_within_8_units(y, grad, h, ours.grad)
+
+
+@pytest.mark.gpu
+def test_fused_swiglu_past_2_31_elements():
+    """Offsets past 2^31 elements (a 2.2-billion-float input, 26 GB in all): the last rows."""
+    from ase_tcfp32._kernels import swiglu
+
+    rows, features = 2**31 // 1024 + 3, 512
+    y = torch.randn(rows, 2 * features, device="cuda")
+    grad = torch.randn(rows, features, device="cuda")
+    h = swiglu.forward(y)[-4:].clone()
+    grad_y = swiglu.backward(grad, y)[-4:]
+    _assert_swiglu_errors_within_8_units(y[-4:], grad[-4:], h, grad_y)
+
+
+@pytest.mark.gpu
+def test_message_combination_matches_fp64():
+    """The message-combination kernels on the GPU against FP64 (``helpers.check_combination``)."""
+    from helpers import check_combination
+
+    check_combination("cuda")

@@ -3,7 +3,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from helpers import fp32_in_order
+from helpers import fp32_in_order, rel_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -14,10 +14,6 @@ from ase_tcfp32.models import load_pet
 
 EMULATED = ["tf32x3", "fp16x3", "bf16x9"]
 UNIT = 2.0**-24
-
-
-def rel_error(y: torch.Tensor, exact: torch.Tensor) -> float:
-    return ((y.double() - exact).norm() / exact.norm()).item()
 
 
 def operands(m, k, n, seed):

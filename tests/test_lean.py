@@ -1,4 +1,5 @@
-"""The lean engine (plain tensors, Verlet list, static shapes) against the metatomic one."""
+"""The lean engine (plain tensors, Verlet list, static shapes) against the metatomic one;
+on the GPU (``gpu``-marked) also the graphs engine (CUDA graphs) and the GPU pair list."""
 
 import numpy as np
 import pytest
@@ -258,3 +259,149 @@ def test_all_pairs_of_small_cells_are_vesins(water, pt_bulk):
             )
             listed = [sorted(zip(i.tolist(), j.tolist(), map(tuple, s.tolist()))) for i, j, s in (ours, theirs)]
             assert listed[0] == listed[1] and len(listed[0]) > len(atoms)
+
+
+# --- on the GPU (pytest -m gpu tests; skipped without CUDA) ---
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "tf32x3", "fp16x3"])
+def test_lean_and_graph_engines_match_metatomic_on_gpu(tiny_ckpt, water192, precision):
+    if precision == "fp16x3" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("fp16x3 runs on Hopper")
+    results = {}
+    for engine in ("metatomic", "lean", "graphs"):
+        atoms = water192.copy()
+        atoms.calc = TCPETCalculator(tiny_ckpt, precision=precision, device="cuda", engine=engine)
+        results[engine] = atoms.get_potential_energy(), atoms.get_forces(), atoms.get_stress()
+        if engine != "metatomic":  # PET on packed rows where the attention is ours
+            assert atoms.calc._engine.packed == (precision != "fp32")
+    e0, f0, s0 = results["metatomic"]
+    for engine in ("lean", "graphs"):
+        e, f, s = results[engine]
+        assert abs(e - e0) / len(water192) < 2e-6
+        assert np.abs(f - f0).max() < 3e-5
+        assert np.abs(s - s0).max() < 1e-6
+
+
+@pytest.mark.gpu
+def test_graph_replays_follow_md_across_list_rebuilds_and_wider_tables(tiny_ckpt, water192):
+    """A hot MD run with a 0.4 Å skin: the pair list is rebuilt in place under the
+    recorded graph, and a table too narrow for crowded atoms is widened (re-recorded);
+    every step's forces agree with a fresh metatomic evaluation."""
+    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
+    from ase.md.verlet import VelocityVerlet
+    from ase.units import fs
+
+    atoms = water192.copy()
+    atoms.calc = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", engine="graphs", neighbor_skin=0.4)
+    reference = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", engine="metatomic")
+    MaxwellBoltzmannDistribution(atoms, temperature_K=3000, rng=np.random.default_rng(2))
+    dyn = VelocityVerlet(atoms, 1.0 * fs)
+    lean = atoms.calc._engine
+    for block in range(5):
+        dyn.run(4)
+        if block == 2:
+            lean._set_width(8)  # as if the table had been sized for a sparser configuration
+            atoms.calc.reset()
+        if block == 3:
+            lean._set_rows(1000)  # and the packed rows for far fewer pairs
+            atoms.calc.reset()
+        copy = atoms.copy()
+        copy.calc = reference
+        assert np.abs(atoms.get_forces() - copy.get_forces()).max() < 3e-5
+    assert lean.rebuilds >= 2 and lean.width > 8 and lean.widenings >= 1 and lean.packed and lean.rows > 1000
+
+
+@pytest.mark.gpu
+def test_no_garbage_collection_runs_while_a_graph_is_captured(tiny_ckpt, water192):
+    """The collector may free an old calculator's graph, a CUDA call a capture forbids: with
+    the collector set to run every 100 allocations, none of its runs falls inside the
+    capture of a new calculator's step, which records and gives forces."""
+    import gc
+
+    old = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", engine="graphs")
+    old.get_forces(water192.copy())
+    old.itself = old  # a cycle: only the collector frees it and its graph
+    del old
+    during = []
+
+    def collecting(phase, info):
+        if phase == "start":
+            during.append(torch.cuda.is_current_stream_capturing())
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(collecting)
+    gc.set_threshold(100)  # thousands of objects are made during a capture
+    try:
+        atoms = water192.copy()
+        atoms.calc = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", engine="graphs")
+        atoms.get_forces()  # the watchdog's eager step
+        atoms.positions[0, 0] += 0.01
+        forces = atoms.get_forces()  # recorded, then replayed
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(collecting)
+    assert atoms.calc._engine.recordings == 1 and np.isfinite(forces).all()
+    assert during and not any(during)
+
+
+@pytest.mark.gpu
+def test_compiled_graph_engine_matches_metatomic(tiny_ckpt, water192):
+    """compile=True with engine='graphs': compiled code recorded in the graph, same forces."""
+    atoms = water192.copy()
+    atoms.calc = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", engine="graphs", compile=True)
+    reference = water192.copy()
+    reference.calc = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", engine="metatomic")
+    for _ in range(3):  # recorded once, replayed after
+        atoms.positions += 0.01
+        reference.positions += 0.01
+        assert abs(atoms.get_potential_energy() - reference.get_potential_energy()) / len(atoms) < 2e-6
+        assert np.abs(atoms.get_forces() - reference.get_forces()).max() < 3e-5
+
+
+@pytest.mark.gpu
+def test_a_batch_of_32_copies_gives_what_32_single_calls_give(water192):
+    """32 beads of the 192-atom box in one call (6,144 atoms: our kernels, not cuBLAS), in
+    the default precision: per structure the energies, forces and stresses of single calls."""
+    from helpers import beads_of
+
+    from ase_tcfp32.testing import random_checkpoint
+
+    beads = beads_of(water192, 32)
+    model = random_checkpoint("xs", seed=3)
+    batched = TCPETCalculator(model, device="cuda").evaluate(beads)
+    alone = TCPETCalculator(model, device="cuda")
+    for bead, result in zip(beads, batched):
+        single = alone.evaluate([bead])[0]
+        assert result["energy"] == pytest.approx(single["energy"], rel=3e-6, abs=1e-4)
+        assert np.abs(result["forces"] - single["forces"]).max() < 3e-5
+        assert np.abs(result["stress"] - single["stress"]).max() < 1e-6
+
+
+@pytest.mark.gpu
+def test_the_gpus_pair_list_of_a_batch_is_vesins(water192, pt_bulk):
+    """On the GPU small periodic cells get their pairs from lean.all_pairs, on the CPU from
+    vesin: the same pairs, shifts, offsets and structures of pairs for a batch of
+    beads, a triclinic cell, a cell whose atoms see their own images and a molecule."""
+    from ase.build import molecule
+    from helpers import beads_of
+
+    from ase_tcfp32._neighbors import VIRIAL_BINS, Structures, build_pairs
+
+    triclinic = water192.copy()
+    triclinic.set_cell(water192.cell.array + [[0, 0, 0], [3.0, 0, 0], [1.0, 2.0, 0]], scale_atoms=False)
+    structures = [*beads_of(water192, 8), triclinic, pt_bulk, molecule("CH3CH2OH")]
+    batch = Structures.of(structures)
+    lists = []
+    for device in ("cpu", "cuda"):
+        positions = torch.tensor(batch.positions, dtype=torch.float64, device=device)
+        pairs = build_pairs(positions, batch.cells, batch.pbcs, batch.sizes, 10.0, 0)
+        structure = pairs.bins // VIRIAL_BINS
+        key = torch.cat([pairs.centers[:, None], pairs.neighbors[:, None], pairs.shifts, structure[:, None]], 1)[
+            : pairs.count
+        ]
+        order = torch.from_numpy(np.lexsort(key.cpu().numpy().T[::-1]))
+        lists.append([key.cpu()[order], pairs.offsets.cpu()[: pairs.count][order], pairs.first.cpu()])
+    assert torch.equal(lists[0][0], lists[1][0]) and torch.equal(lists[0][2], lists[1][2])
+    assert torch.allclose(lists[0][1], lists[1][1], rtol=0, atol=1e-12)

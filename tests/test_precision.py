@@ -178,3 +178,14 @@ def test_an_unwritable_triton_cache_moves_to_the_temporary_folder_with_a_warning
     finally:
         del knobs.cache.dir  # back to $TRITON_CACHE_DIR, which monkeypatch restores
         precision_module.triton_build_problem.cache_clear()
+
+
+# --- on the GPU (pytest -m gpu tests; skipped without CUDA) ---
+
+
+@pytest.mark.gpu
+def test_auto_picks_fp16x3_on_hopper_and_tf32x3_on_ampere():
+    cc = torch.cuda.get_device_capability()
+    if cc[0] not in (8, 9):
+        pytest.skip("table rows for 8.x / 9.x")
+    assert auto_precision("cuda")[0] == ("fp16x3" if cc == (9, 0) else "tf32x3")

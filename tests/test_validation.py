@@ -2,6 +2,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from ase_tcfp32.cli import main
 from ase_tcfp32.validation import cantor_slab, co_on_pt111, report, water_box
@@ -196,3 +197,16 @@ def test_info_lists_precisions_and_auto(capsys, monkeypatch):
     assert "GEMM tuning: on" in out and "autotune.json" in out
     assert "triton kernel cache: " in out
     assert "attention: torch SDPA" in out  # the CPU's (tensor-core attention is for CUDA)
+
+
+# --- on the GPU (pytest -m gpu tests; skipped without CUDA) ---
+
+
+@pytest.mark.gpu
+def test_info_reports_the_gpu_and_cublas(capsys):
+    from ase_tcfp32.cli import main
+
+    main(["info"])
+    out = capsys.readouterr().out
+    assert torch.cuda.get_device_name() in out and "cuBLAS 1" in out and "auto -> " in out
+    assert "attention: tensor cores (TF32x3) in tf32x3" in out

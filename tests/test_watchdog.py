@@ -1,5 +1,6 @@
 """The accuracy watchdog (ase_tcfp32.watchdog) on CPU: the reference emulation computes
-the GPU kernels' arithmetic, so what it flags there the kernels flag too."""
+the GPU kernels' arithmetic, so what it flags there the kernels flag too. The ``gpu``-marked tests check the
+kernels themselves."""
 
 import warnings
 
@@ -8,6 +9,7 @@ import torch
 from helpers import fp32_in_order
 
 from ase_tcfp32 import PrecisionWarning, TCPETCalculator, swap_linear_layers
+from ase_tcfp32.precision import support
 from ase_tcfp32.watchdog import FACTOR, errors, floor
 
 
@@ -119,3 +121,54 @@ def test_subnormal_inputs_are_flagged_for_the_unscaled_splits(precision):
     swap_linear_layers(model, precision, check_accuracy=1)
     x = torch.randn(64, 256, generator=g) * 1e-40
     assert len(caught(lambda: model(x))) == 1
+
+
+# --- on the GPU (pytest -m gpu tests; skipped without CUDA) ---
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["tf32x3", "fp16x3"])
+def test_watchdog_flags_the_fp16x3_outlier_on_the_gpu(precision):
+    """fp16x3's kernel on a K-tile with one 1e8 entry over a zero weight column: flagged
+    (issue 25's measured 487 units 2^-24); tf32x3 on the same input: FP32-accurate, quiet."""
+    import warnings
+
+    from ase_tcfp32 import PrecisionWarning, swap_linear_layers
+
+    if precision == "fp16x3" and not support("fp16x3", "cuda").available:
+        pytest.skip("fp16x3 needs Hopper")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 256)).cuda()
+    with torch.no_grad():
+        model[0].weight[:, ::32] = 0.0
+    x = torch.randn(40_000, 512, device="cuda", generator=g)  # enough rows for the kernel
+    x[:, ::32] = 1e8
+    swap_linear_layers(model, precision, check_accuracy=1)
+    with warnings.catch_warnings(record=True) as found:
+        warnings.simplefilter("always")
+        model(x)
+    flagged = [w for w in found if issubclass(w.category, PrecisionWarning)]
+    assert len(flagged) == (precision == "fp16x3"), [str(w.message) for w in flagged]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine", ["metatomic", "graphs"])
+def test_watchdog_is_quiet_on_pet_in_every_engine(engine, water192):
+    import warnings
+
+    from ase_tcfp32 import PrecisionWarning
+    from ase_tcfp32._folded import folded
+    from ase_tcfp32.testing import random_checkpoint
+
+    atoms = water192.repeat((2, 2, 1))  # 768 atoms: our kernels, not cuBLAS
+    atoms.calc = TCPETCalculator(random_checkpoint("xs", seed=3), device="cuda", engine=engine, check_accuracy=2)
+    with warnings.catch_warnings(record=True) as found:
+        warnings.simplefilter("always")
+        for _ in range(4):  # graphs: eager check, record, replay, eager check
+            atoms.positions += 0.001
+            atoms.get_forces()
+    assert not [w for w in found if issubclass(w.category, PrecisionWarning)]
+    # every layer was checked; a compression folded away (ase_tcfp32._folded) by its messages' layer
+    folded_away = {id(m.compress[0]): folded(m).messages for m in atoms.calc.pet.modules() if hasattr(m, "compress")}
+    layers = [folded_away.get(id(m), m) for m in atoms.calc.pet.modules() if hasattr(m, "check_accuracy")]
+    assert all(m._calls["forward"] >= 2 for m in layers)

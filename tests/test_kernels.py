@@ -1,0 +1,263 @@
+"""The GEMM kernels (ase_tcfp32._kernels: triton_gemm, fp16x3 and the cuBLAS call) on the
+GPU against FP64, the reference emulation and cuBLAS FP32 (pytest -m gpu tests; skipped
+without CUDA)."""
+
+import pytest
+import torch
+from helpers import rel_error
+
+from ase_tcfp32._kernels.reference import ReferenceBackend
+from ase_tcfp32.precision import support
+
+pytestmark = pytest.mark.gpu
+
+PRECISIONS = ["tf32", "tf32x3", "bf16x9"]
+
+
+def assert_fp32_level(err: float, fp32: float, depth: int, factor: float) -> None:
+    """Error ``err`` of an emulated GEMM vs cuBLAS FP32's ``fp32`` (both vs FP64): at most
+    ``factor`` times it when the contraction is 256 or longer; on shorter ones at most
+    twice it or 4 units of FP32 roundoff (2^-22): the tensor cores truncate the sums of
+    each K-tile's accumulator, and few terms make cuBLAS's own error unusually small."""
+    assert err <= (factor * fp32 if depth >= 256 else max(2 * fp32, 2.0**-22)), (err, fp32)
+
+
+@pytest.fixture(scope="module")
+def triton_backends():
+    from ase_tcfp32._kernels.triton_gemm import TritonBackend
+
+    return {p: TritonBackend(p) for p in PRECISIONS}
+
+
+def run(backend, x, w, b=None):
+    return backend.forward(x, backend.prepare(w), b)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize(
+    "shape",
+    [(0, 64, 32), (1, 16, 4), (1003, 17, 33), (4099, 128, 384), (777, 1024, 257), (300, 2048, 2048), (5000, 256, 768)],
+)
+def test_triton_matches_reference_and_fp64(triton_backends, precision, shape):
+    m, k, n = shape
+    g = torch.Generator(device="cuda").manual_seed(m + k + n)
+    x = torch.randn(m, k, device="cuda", generator=g)
+    w = torch.randn(n, k, device="cuda", generator=g)
+    b = torch.randn(n, device="cuda", generator=g)
+    y = run(triton_backends[precision], x, w, b)
+    ref = ReferenceBackend(precision)
+    y_ref = ref.forward(x, ref.prepare(w), b)
+    assert y.shape == (m, n)
+    if m == 0:
+        return
+    exact = x.double() @ w.double().T + b.double()
+    baseline = torch.nn.functional.linear(x, w, b)  # cuBLAS FP32, as nn.Linear runs it
+    fp32 = rel_error(baseline, exact)
+    err, err_ref = rel_error(y, exact), rel_error(y_ref, exact)
+    if precision == "tf32":
+        assert 1e-5 < err < 2e-3
+    elif m < triton_backends[precision].prepare(w).forward.min_rows:
+        assert torch.equal(y, baseline)  # too small to fill the GPU: cuBLAS FP32 itself
+    else:
+        assert err <= max(2 * err_ref, 2 * fp32), (err, err_ref, fp32)
+        if k >= 256:
+            assert err <= fp32 * 1.05, (err, fp32)  # no worse than cuBLAS FP32
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_triton_backward_matches_fp64(triton_backends, precision):
+    backend = triton_backends[precision]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = torch.randn(768, 256, device="cuda", generator=g)
+    gy = torch.randn(20000, 768, device="cuda", generator=g)
+    dx = backend.grad_input(gy, backend.prepare(w))
+    exact = gy.double() @ w.double()
+    err = rel_error(dx, exact)
+    assert err < (2e-3 if precision == "tf32" else rel_error(gy @ w, exact) * 1.05)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("inf_weight", [False, True])
+def test_triton_inf_nan_propagate_like_torch(triton_backends, precision, inf_weight):
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(300, 100, device="cuda", generator=g)
+    w = torch.randn(50, 100, device="cuda", generator=g)
+    if inf_weight:
+        w[7, 50] = float("inf")
+    x[0, 3], x[1, 7], x[2, 0] = float("inf"), -float("inf"), float("nan")
+    w[4, 3] = 0.0
+    x[3, 10] = x[3, 11] = float("inf")
+    w[:, 11] = -w[:, 10]
+    y, expected = run(triton_backends[precision], x, w), x @ w.T
+    assert torch.equal(torch.isnan(y), torch.isnan(expected))
+    assert torch.equal(torch.isinf(y), torch.isinf(expected))
+    assert torch.equal(y[torch.isinf(expected)], expected[torch.isinf(expected)])
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_tma_and_pointer_loads_give_the_same_bits(triton_backends, precision):
+    """On Hopper x comes in through a TMA descriptor when its rows are 16-byte aligned,
+    through pointer loads otherwise: the arithmetic is the same, so are the results."""
+    from ase_tcfp32._kernels.triton_gemm import _tma_ready, launch
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w = torch.randn(384, 256, device="cuda", generator=g)
+    x = torch.randn(20000, 256, device="cuda", generator=g)
+    padded = torch.zeros(20000, 257, device="cuda")
+    padded[:, :256] = x
+    unaligned = padded[:, :256]  # rows of 257 floats: not 16-byte aligned
+    assert _tma_ready(x) and not _tma_ready(unaligned)
+    gemm = triton_backends[precision].prepare(w).forward
+    assert (gemm.descriptor is not None) == (torch.cuda.get_device_capability()[0] >= 9)
+    assert torch.equal(launch(x, gemm), launch(unaligned, gemm))
+
+
+def test_huge_m_uses_64_bit_offsets(triton_backends):
+    m = 10_000_000
+    x = torch.randn(m, 256, device="cuda")  # 10 GB: offsets past 2**31
+    w = torch.randn(16, 256, device="cuda")
+    y = run(triton_backends["tf32x3"], x, w)
+    rows = torch.tensor([0, 1, m // 2, m - 2, m - 1], device="cuda")
+    exact = x[rows].double() @ w.double().T
+    assert rel_error(y[rows], exact) < 1e-6
+
+
+def test_cublas_bf16x9_call_reaches_cublas():
+    """The ctypes path runs, its strategy reaches the handle and is restored; on Hopper
+    cuBLAS ignores the emulated compute type and returns SGEMM's bits (measured)."""
+    from ase_tcfp32._kernels import cublas
+
+    handle = torch.cuda.current_blas_handle()
+    before = cublas.get_strategy(handle)
+    cublas.set_strategy(handle, cublas.STRATEGIES["eager"])
+    assert cublas.get_strategy(handle) == cublas.STRATEGIES["eager"]
+    cublas.set_strategy(handle, before)
+    x = torch.randn(513, 256, device="cuda")
+    w = torch.randn(130, 256, device="cuda")
+    y = cublas.gemm_bf16x9(x, w, transpose_b=True, strategy="eager")
+    assert cublas.get_strategy(handle) == before
+    dx = cublas.gemm_bf16x9(y, w, transpose_b=False)
+    exact = x.double() @ w.double().T
+    assert rel_error(y, exact) < 1e-6
+    assert rel_error(dx, y.double() @ w.double()) < 1e-6
+    if torch.cuda.get_device_capability() < (10, 0):
+        assert torch.equal(y, x @ w.T)
+
+
+def test_gemms_too_small_for_the_gpu_use_cublas_fp32(triton_backends):
+    """192-atom node layers (16-48 tiles on 132 SMs) go to cuBLAS FP32 in FP32-accurate modes."""
+    x = torch.randn(192, 2048, device="cuda")
+    w = torch.randn(1024, 2048, device="cuda")
+    expected = x @ w.T
+    assert torch.equal(run(triton_backends["tf32x3"], x, w), expected)
+    assert torch.equal(run(triton_backends["bf16x9"], x, w), expected)
+    assert not torch.equal(run(triton_backends["tf32"], x, w), expected)  # single pass stays TF32
+
+
+FP16X3_CONFIGS = {"bk32": dict(BK=32, STAGES=4), "bk64": dict(BK=64, STAGES=2), "bk16": dict(BK=16, STAGES=6)}
+
+
+@pytest.fixture(scope="module")
+def fp16x3():
+    fp16x3_support = support("fp16x3", "cuda")
+    if not fp16x3_support.available:
+        pytest.skip(fp16x3_support.note)
+    from ase_tcfp32._kernels import fp16x3
+
+    return fp16x3
+
+
+@pytest.mark.parametrize("data", ["normal", "wide"])
+@pytest.mark.parametrize(
+    "shape", [(1003, 17, 33), (4099, 128, 384), (5000, 256, 768), (20_000, 33, 130), (70_000, 512, 256)]
+)
+@pytest.mark.parametrize("config", FP16X3_CONFIGS)
+def test_fp16x3_kernel_matches_fp64(fp16x3, config, shape, data):
+    """Ragged shapes (TMA zero-fill, masked stores), forward with bias and backward.
+    ``wide``: every row of x and of w scaled by its own power of ten (1e-15 ... 1e15),
+    every third row of x spread over e^(+-9). Error vs FP64: :func:`assert_fp32_level`,
+    at most cuBLAS FP32's (1.25x on wide data) at contractions of 256 and longer (measured
+    up to 3x cuBLAS FP32 at K = 17)."""
+    config = dict(fp16x3.CONFIG, **FP16X3_CONFIGS[config])
+    m, k, n = shape
+    g = torch.Generator(device="cuda").manual_seed(m + k + n)
+    x = torch.randn(m, k, device="cuda", generator=g)
+    w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
+    if data == "wide":
+        x *= 10.0 ** torch.randint(-15, 15, (m, 1), device="cuda", generator=g)
+        x[::3] *= torch.exp(3 * torch.randn(x[::3].shape, device="cuda", generator=g))
+        w *= 10.0 ** torch.randint(-15, 15, (n, 1), device="cuda", generator=g)
+    b = torch.randn(n, device="cuda", generator=g) * w.abs().amax(1)
+    gy = torch.randn(m, n, device="cuda", generator=g)
+    exact, exact_dx = x.double() @ w.double().T + b.double(), gy.double() @ w.double()
+    y = fp16x3.launch(x, fp16x3.split_weight(w), b, config)
+    dx = fp16x3.launch(gy, fp16x3.split_weight(w.T.contiguous()), None, config)
+    for err, fp32, depth in [
+        (rel_error(y, exact), rel_error(x @ w.T + b, exact), k),
+        (rel_error(dx, exact_dx), rel_error(gy @ w, exact_dx), n),
+    ]:
+        assert_fp32_level(err, fp32, depth, 1.0 if data == "normal" else 1.25)
+
+
+def test_fp16x3_kernel_matches_the_reference_emulation(fp16x3):
+    """The kernel and the torch emulation of :mod:`reference` compute the same split
+    and products; they differ by the tensor cores' truncated sums only."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(9000, 256, device="cuda", generator=g) * 10.0 ** torch.randint(
+        -10, 10, (9000, 1), device="cuda", generator=g
+    )
+    w = torch.randn(384, 256, device="cuda", generator=g)
+    reference = ReferenceBackend("fp16x3")
+    y_ref = reference.forward(x, reference.prepare(w), None)
+    y = fp16x3.launch(x, fp16x3.split_weight(w))
+    exact = x.double() @ w.double().T
+    assert rel_error(y, y_ref.double()) <= rel_error(x @ w.T, exact)
+
+
+def test_fp16x3_inf_nan_propagate_like_torch(fp16x3):
+    x = torch.randn(20_000, 64, device="cuda")  # enough rows for the kernel (min_rows)
+    w = torch.randn(128, 64, device="cuda")
+    x[3, 5], x[7, 9], x[11, 0] = float("inf"), float("-inf"), float("nan")
+    expected = x @ w.T
+    backend = fp16x3.Fp16x3Backend()
+    y = backend.forward(x, backend.prepare(w), None)
+    assert torch.equal(torch.isnan(y), torch.isnan(expected))
+    assert torch.equal(torch.isinf(y), torch.isinf(expected))
+
+
+FIRST_BACKWARD = """
+import sys, torch
+from ase_tcfp32 import tc_linear
+precision = sys.argv[1]
+g = torch.Generator(device="cuda").manual_seed(0)
+x = torch.randn(32768, 512, device="cuda", generator=g, requires_grad=True)
+w = torch.randn(256, 512, device="cuda", generator=g)
+gy = torch.randn(32768, 256, device="cuda", generator=g)
+y = tc_linear(x, w, None, precision=precision)
+(dx,) = torch.autograd.grad(y, x, gy)  # runs on autograd's CUDA worker thread
+exact = gy.double() @ w.double()
+err = ((dx.double() - exact).norm() / exact.norm()).item()
+fp32 = ((gy @ w).double() - exact).norm().item() / exact.norm().item()
+print(precision, err, fp32)
+assert err <= 1.05 * fp32, (err, fp32)
+"""
+
+
+@pytest.mark.parametrize("precision", ["tf32x3", "fp16x3", "bf16x9"])
+def test_first_backward_in_a_fresh_process_with_empty_caches(tmp_path, precision):
+    """Issue 25, case 1: the first backward of a fresh process, tuning from an empty cache
+    and launching on autograd's worker thread (failed with 'Failed to create tensor map
+    descriptor: invalid device context' before the context was bound per thread)."""
+    import os
+    import subprocess
+    import sys
+
+    if precision == "fp16x3" and not support("fp16x3", "cuda").available:
+        pytest.skip("fp16x3 needs Hopper")
+    env = dict(os.environ, ASE_TCFP32_CACHE=str(tmp_path / "cache"), TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    env.pop("ASE_TCFP32_AUTOTUNE", None)
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_BACKWARD, precision], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "cache" / "autotune.json").exists()  # it did tune
