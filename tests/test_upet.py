@@ -206,3 +206,40 @@ def test_rotational_averaging_through_the_calculator(pet):
     atoms.get_forces()
     assert {"energy_rot_std", "forces_rot_std"} <= set(averaged.results)
     assert averaged.results["forces"].shape == averaged.results["forces_rot_std"].shape == (6, 3)
+
+
+# --- on the GPU (pytest -m gpu tests; skipped without CUDA) ---
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["tf32x3", "fp16x3", "bf16x9"])
+def test_direct_heads_on_tensor_cores_are_fp32_accurate(pet, precision):
+    """Every upet output in an FP32-accurate precision (packed rows, CUDA graphs) is as far
+    from the float64 model as FP32's own (4x margin: a handful of roundings apart), energy
+    and direct forces and stress, batched; an energy-only call, then forces, works; the
+    rotational average runs on the GPU."""
+    from ase_tcfp32.precision import support
+
+    if support(precision, torch.device("cuda")).backend == "unavailable":
+        pytest.skip(f"{precision} does not run on this GPU")
+    structures = [water_box(32, seed=k) for k in range(3)]
+    wanted = ["energy", "forces", "stress", "non_conservative_forces", "non_conservative_stress"]
+    exact = calculator(pet, dtype="float64", device="cuda").evaluate(structures, wanted)
+    errors = {}
+    for name in ("fp32", precision):
+        results = calculator(pet, precision=name, device="cuda").evaluate(structures, wanted)
+        errors[name] = {
+            key: max(np.abs(np.asarray(r[key]) - np.asarray(e[key])).max() for r, e in zip(results, exact))
+            for key in ("energy", "forces", "non_conservative_forces", "non_conservative_stress")
+        }
+    for key, fp32 in errors["fp32"].items():
+        assert errors[precision][key] <= 4 * fp32 + 1e-9, (key, errors)
+    calc = calculator(pet, precision=precision, device="cuda", non_conservative=True)
+    atoms = structures[0].copy()
+    atoms.calc = calc
+    energy = atoms.get_potential_energy()
+    assert "forces" not in calc.results
+    assert close(atoms.get_forces(), exact[0]["non_conservative_forces"], 1e-4)
+    assert atoms.get_potential_energy() == pytest.approx(energy, rel=1e-6)
+    averaged = calculator(pet, precision=precision, device="cuda", rotational_average_order=2)
+    assert np.isfinite(averaged.get_potential_energy(structures[1])) and "energy_rot_std" in averaged.results
