@@ -41,6 +41,7 @@ import numpy as np
 
 # this file is named like the i-PI package: keep its folder off the import path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.append(str(Path(__file__).resolve().parent))  # after the packages: _results, _timing still found
 SERVERS = {
     "ipi-server": [sys.executable, "-m", "ase_tcfp32.cli", "ipi-server"],
     "i-pi": [shutil.which("i-pi") or str(Path(sys.executable).parent / "i-pi")],
