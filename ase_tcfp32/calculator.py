@@ -402,7 +402,9 @@ class TCPETCalculator(Calculator):
         try:
             with shown_first, on_device, ieee_fp32_matmul(), watchdog.deferred():
                 yield
-        except torch.OutOfMemoryError as error:
+        except (torch.OutOfMemoryError, torch.AcceleratorError) as error:  # a kernel launch may fail for memory too
+            if not isinstance(error, torch.OutOfMemoryError) and "out of memory" not in str(error):
+                raise
             raise torch.OutOfMemoryError(self._out_of_memory(atoms)) from error
 
     def _out_of_memory(self, atoms: int) -> str:

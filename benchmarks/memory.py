@@ -84,7 +84,9 @@ def largest(shape: str, precision: str, low_memory: bool, start: int = 1024) -> 
         try:
             measure(calc, molecules)
             ok = True
-        except torch.OutOfMemoryError:
+        except (torch.OutOfMemoryError, torch.AcceleratorError) as error:  # a kernel launch can fail for memory too
+            if "out of memory" not in str(error):
+                raise
             ok = False
         torch.cuda.empty_cache()
         print(
@@ -134,6 +136,7 @@ def main() -> None:
                 for suffix, low in (("", False), ("_low_memory", True)):
                     row.update({f"{k}{suffix}": v for k, v in per_atom(shape, precision, low, sizes).items()})
                     torch.cuda.empty_cache()
+            print(row, flush=True)
             if args.largest:
                 row["largest_molecules"] = largest(shape, precision, False, args.start)
                 row["largest_molecules_low_memory"] = largest(shape, precision, True, args.start)
