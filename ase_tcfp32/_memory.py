@@ -1,28 +1,59 @@
-"""What to tell a user whose system did not fit in the GPU's memory."""
+"""What to tell a user whose system did not fit in the GPU's memory.
+
+The estimate comes from the memory one energy + forces evaluation of the default engine
+(packed rows) takes per atom of liquid water, measured on an H200 (``python
+benchmarks/memory.py --models s,m --precisions fp16x3 --per-atom 2880,5760``: the peak's
+slope between 8,640 and 17,280 atoms), scaled to the model's width and depth, and from the
+share of the GPU's memory a large evaluation can use (the caching allocator keeps some
+reserved and unallocated): measured, the largest PET-S water boxes that fit in the H200's
+150 GB are 78,000-80,436 atoms by default and 131,625-136,500 with ``low_memory=True``
+(``python benchmarks/memory.py --models s --precisions fp16x3 --largest --start 26000``).
+"""
 
 from __future__ import annotations
 
 import torch
 
+PER_ATOM = {
+    # (d_pet, GNN layers, attention layers per GNN layer): bytes per atom (default, low_memory)
+    (256, 3, 1): (1.611e6, 0.926e6),  # PET-S shape
+    (384, 3, 2): (5.055e6, 2.457e6),  # PET-M shape
+}
+"""Peak bytes per water atom of an energy + forces evaluation, H200, fp16x3, packed rows."""
+
+USABLE = 0.84
+"""The share of a GPU's memory the largest evaluations used (78,000 atoms x 1.611 MB of the
+H200's 150.1 GB by default, 131,625-136,500 x 0.926 MB with low_memory)."""
+
+
+def bytes_per_atom(pet: torch.nn.Module, low_memory: bool) -> float:
+    """Peak bytes per atom of ``pet`` (metatrain PET): the measured shape nearest in width x
+    GNN layers x attention layers, scaled by that product."""
+    backend = pet.backend
+    size = backend.d_pet * len(backend.gnn_layers) * pet.hypers.get("num_attention_layers", 1)
+    shape = min(PER_ATOM, key=lambda s: abs(s[0] * s[1] * s[2] - size))
+    return PER_ATOM[shape][bool(low_memory)] * size / (shape[0] * shape[1] * shape[2])
+
+
+def largest_system(pet: torch.nn.Module, memory: int, low_memory: bool) -> int:
+    """About how many atoms of water-like density fit in ``memory`` bytes of a GPU."""
+    return int(USABLE * memory / bytes_per_atom(pet, low_memory))
+
 
 def out_of_memory_message(pet: torch.nn.Module, atoms: int, memory: int, gpu: str, low_memory: bool) -> str:
     """What to say when ``atoms`` atoms of metatrain ``pet`` did not fit in the ``memory``
-    bytes of GPU ``gpu``: the estimated largest system, and what else to try. The estimate
-    scales the largest water boxes measured on an H200 (139 GB, eager, docs/performance.md:
-    PET-S shape, d_pet 256 with 3 GNN x 1 attention layers, 49,152 atoms and 82,944 with
-    ``low_memory``; PET-M shape, d_pet 384 with 3 x 2, 15,360 and 32,256) by width x depth."""
+    bytes of GPU ``gpu``: the estimated largest system, and what else to try."""
     backend = pet.backend
-    attention = pet.hypers.get("num_attention_layers", 1)
-    per_atom = 139e9 / 49_152 * (backend.d_pet / 256) * len(backend.gnn_layers) / 3 * attention
-    fits = int(memory / per_atom)
+    fits = largest_system(pet, memory, low_memory)
     hint = (
         ""
         if low_memory
-        else f" With low_memory=True (each GNN layer recomputed in the backward pass) about {int(fits * 1.7):,} would."
+        else f" With low_memory=True (each GNN layer recomputed in the backward pass) about "
+        f"{largest_system(pet, memory, True):,} would."
     )
     return (
         f"{atoms:,} atoms did not fit in the {memory / 1e9:.0f} GB of {gpu} with this model (d_pet "
         f"{backend.d_pet}, {len(backend.gnn_layers)} GNN layers). Estimated largest system here: about {fits:,} "
-        f"atoms (from the water boxes measured on an H200, docs/performance.md).{hint} Smaller systems, or "
-        "several GPUs through i-PI for many structures (docs/scaling.md), are the other ways out."
+        f"atoms at the density of liquid water (measured per atom on an H200, docs/performance.md).{hint} "
+        "Smaller systems, or several GPUs through i-PI for many structures (docs/scaling.md), are the other ways out."
     )
