@@ -79,3 +79,17 @@ def check_combination(device: str) -> None:
         size = rstd * (gw.amax(-1) + gw.mean(-1) + xhat.abs().amax(-1) * (gw * xhat.abs()).mean(-1))
         size = size + size.reshape(-1)[reverse.reshape(-1)].reshape(size.shape)
         assert ((do.double() - do64).abs() <= 2 * depth * u * size[..., None]).all(), (atoms, slots, width)
+
+
+def quiet_calculator(pet, **options):
+    """A CPU FP32 ``TCPETCalculator`` on a copy of ``pet`` (its notes silenced), ``options``
+    overriding those defaults."""
+    import copy
+    import warnings
+
+    from ase_tcfp32 import TCPETCalculator
+
+    options = {"precision": "fp32", "device": "cpu", "progress": False, **options}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return TCPETCalculator(copy.deepcopy(pet), **options)

@@ -8,7 +8,6 @@ it), r-RESPA applies it as impulses whose error is of third order in the outer s
 (measured: at most 0.045 of it over 1 to 3 outer steps of 4 × 0.25 fs): bound 0.1."""
 
 import copy
-import warnings
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ from ase.calculators.emt import EMT
 from ase.io import Trajectory
 from ase.md.velocitydistribution import Stationary, thermalize_momenta
 from ase.md.verlet import VelocityVerlet
+from helpers import quiet_calculator as calculator
 
 from ase_tcfp32 import TCPETCalculator
 from ase_tcfp32.mts import MTSLangevin, MTSVelocityVerlet
@@ -38,13 +38,6 @@ def water():
     thermalize_momenta(atoms, temperature_K=300, rng=np.random.default_rng(0))
     Stationary(atoms)
     return atoms
-
-
-def calculator(pet, **options):
-    options = {"precision": "fp32", "device": "cpu", "progress": False, **options}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return TCPETCalculator(copy.deepcopy(pet), **options)
 
 
 def with_calculator(atoms, calc):

@@ -11,6 +11,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from helpers import quiet_calculator as calculator
 
 from ase_tcfp32 import TCPETCalculator
 from ase_tcfp32.models import import_dependencies, load_pet
@@ -31,13 +32,6 @@ def water():
     atoms = water_box(8)
     atoms.rattle(0.05, seed=1)
     return atoms
-
-
-def calculator(pet, **options):
-    options = {"precision": "fp32", "device": "cpu", "progress": False, **options}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return TCPETCalculator(copy.deepcopy(pet), **options)
 
 
 def close(a, b, rel=FP32):
