@@ -28,7 +28,9 @@ PROPERTIES = ("energy", "energies", "forces", "stress")
 """What an engine computes by default: energies, and forces and stress by autograd."""
 
 DIRECT = ("non_conservative_forces", "non_conservative_stress")
-"""What else :meth:`Engine.compute` may be asked for: the direct heads' forces and stress."""
+"""What else :meth:`Engine.compute` may be asked for: the direct heads' forces and stress
+(and ``"energy_features"``, the energy head's last-layer features per atom [n, F], for the
+uncertainty: :class:`ase_tcfp32._heads.LLPR`)."""
 
 
 class Engine(Protocol):

@@ -133,19 +133,28 @@ def readout(
     factors: torch.Tensor,
     real: torch.Tensor,
     centers: torch.Tensor,
-) -> torch.Tensor:
+    features: bool = False,
+):
     """PET's per-atom prediction [N, C] of target ``name`` from the last GNN layer's node
     features [N, d_node] and edge features [R, d] on packed rows (``factors`` [R] their
     cutoff factors, ``real`` [R] which rows hold a pair, ``centers`` [R] each row's atom),
     before the scaler: the node head's result plus the cutoff-weighted edge heads' results
-    summed over each atom's rows, as metatrain's readout does over its table."""
+    summed over each atom's rows, as metatrain's readout does over its table. With
+    ``features``, also the head's last-layer features [N, 2 d_head] (the node head's, then
+    the edge heads' weighted sum: metatrain's ``mtt::aux::<name>_last_layer_features``)."""
     node_last, edge_last = (
         next(iter(layers[name][0].values())) for layers in (backend.node_last_layers, backend.edge_last_layers)
     )
-    per_atom = node_last(backend.node_heads[name][0](nodes))
-    edge_terms = edge_last(backend.edge_heads[name][0](edges))
-    edge_terms = torch.where(real[:, None], edge_terms, 0.0) * factors[:, None]
-    return per_atom + torch.zeros_like(per_atom).index_add_(0, centers, edge_terms)
+    node_features = backend.node_heads[name][0](nodes)
+    edge_features = backend.edge_heads[name][0](edges)
+    per_atom = node_last(node_features)
+    edge_terms = torch.where(real[:, None], edge_last(edge_features), 0.0) * factors[:, None]
+    prediction = per_atom + torch.zeros_like(per_atom).index_add_(0, centers, edge_terms)
+    if not features:
+        return prediction
+    weighted = torch.where(real[:, None], edge_features, 0.0) * factors[:, None]
+    summed = node_features.new_zeros(node_features.shape[0], weighted.shape[1]).index_add_(0, centers, weighted)
+    return prediction, torch.cat([node_features, summed], dim=1)
 
 
 def readout_table(
@@ -155,20 +164,36 @@ def readout_table(
     edges: list[torch.Tensor],
     factors: torch.Tensor,
     mask: torch.Tensor,
-) -> torch.Tensor:
+    features: bool = False,
+):
     """:func:`readout` on metatrain's neighbor table: from each GNN layer's node features
     [N, d_node] and edge features [N, J, d] (``factors`` [N, J] the cutoff factors,
-    ``mask`` [N, J] the real slots), summed over the layers in metatrain's order."""
-    total = None
+    ``mask`` [N, J] the real slots), summed over the layers in metatrain's order; with
+    ``features``, also every layer's last-layer features, node then edge, side by side."""
+    total, found = None, []
     for layer, (node_features, edge_features) in enumerate(zip(nodes, edges, strict=True)):
         node_last, edge_last = (
             next(iter(layers[name][layer].values())) for layers in (backend.node_last_layers, backend.edge_last_layers)
         )
-        node_terms = node_last(backend.node_heads[name][layer](node_features))
-        edge_terms = edge_last(backend.edge_heads[name][layer](edge_features))
-        edge_terms = (torch.where(mask[..., None], edge_terms, 0.0) * factors[..., None]).sum(dim=1)
+        node_heads = backend.node_heads[name][layer](node_features)
+        edge_heads = backend.edge_heads[name][layer](edge_features)
+        node_terms = node_last(node_heads)
+        edge_terms = (torch.where(mask[..., None], edge_last(edge_heads), 0.0) * factors[..., None]).sum(dim=1)
         total = node_terms + edge_terms if total is None else total + node_terms + edge_terms
-    return total
+        found += [node_heads, (edge_heads * factors[..., None]).sum(dim=1)] if features else []
+    return (total, torch.cat(found, dim=1)) if features else total
+
+
+def table_predictions(
+    backend: torch.nn.Module, nodes: list, edges: list, batch: dict, names: list[str], features: bool = False
+) -> tuple:
+    """:func:`readout_table` of each target of ``names`` from metatrain's features and its
+    ``batch`` (the table), and with ``features`` the first target's last-layer features."""
+    factors, mask = batch["cutoff_factors"], batch["padding_mask"]
+    out = [
+        readout_table(backend, name, nodes, edges, factors, mask, k == 0 and features) for k, name in enumerate(names)
+    ]
+    return ([out[0][0], *out[1:]], out[0][1]) if features else (out, None)
 
 
 def direct_output(quantity: str, term: torch.Tensor, cells: torch.Tensor, system: torch.Tensor) -> dict:
@@ -188,3 +213,41 @@ def direct_output(quantity: str, term: torch.Tensor, cells: torch.Tensor, system
     term = term.reshape(-1, 3, 3) / volumes.index_select(0, system)[:, None, None]
     term = (term + term.transpose(1, 2)) / 2
     return {"non_conservative_stress": term.new_zeros(count, 3, 3).index_add_(0, system, term)}
+
+
+class LLPR(NamedTuple):
+    """metatrain's last-layer prediction rigidity of the energy (the uncertainty PET-MAD
+    releases carry): for last-layer features f (per atom, or summed over a structure's
+    atoms), ``sigma = multiplier * |L^-1 f|`` with L the Cholesky factor of the calibrated
+    covariance, and the ensemble members ``W f`` re-centred on the prediction."""
+
+    cholesky: torch.Tensor  # [F, F] float64, lower triangular
+    multiplier: float
+    weights: torch.Tensor | None  # [K, F] float64: the ensemble's last layers
+
+    @classmethod
+    def of(cls, wrapper: torch.nn.Module | None) -> LLPR | None:
+        """The energy's LLPR of a metatrain LLPR model (None for none, or one without it)."""
+        if wrapper is None or not hasattr(wrapper, "_get_cholesky"):
+            return None
+        try:
+            cholesky = wrapper._get_cholesky("energy_uncertainty").detach().double().cpu()
+            multiplier = float(wrapper._get_multiplier("energy_uncertainty").reshape(-1)[0])
+        except (KeyError, AttributeError, RuntimeError):
+            return None
+        layers = getattr(wrapper, "llpr_ensemble_layers", {})
+        weights = layers["energy"].weight.detach().double().cpu() if "energy" in layers else None
+        return cls(cholesky, multiplier, weights)
+
+    def uncertainty(self, features: torch.Tensor) -> torch.Tensor:
+        """sigma (eV) of each row of ``features`` [M, F]: [M]."""
+        solved = torch.linalg.solve_triangular(self.cholesky, features.double().T, upper=False)
+        return self.multiplier * torch.sqrt((solved**2).sum(0))
+
+    def ensemble(self, features: torch.Tensor, predictions: torch.Tensor) -> torch.Tensor:
+        """The ensemble [M, K] (eV) of rows ``features`` [M, F] whose predictions are
+        ``predictions`` [M]: its mean is the prediction."""
+        if self.weights is None:
+            raise ValueError("this model's LLPR has no ensemble")
+        members = features.double() @ self.weights.T
+        return members - members.mean(1, keepdim=True) + predictions.double()[:, None]

@@ -38,7 +38,7 @@ from . import _progress as progress
 from . import watchdog
 from ._compilation import compiled
 from ._graphs import Graph
-from ._heads import ENERGY, FORCE, STRESS, Heads, direct_output, readout_table
+from ._heads import ENERGY, FORCE, STRESS, Heads, direct_output, table_predictions
 from ._inputs import Kept, neighbor_table, packed_rows
 from ._kernels.context import cutoff_kernel_usable
 from ._neighbors import VIRIAL_BINS, PairTerms, Structures, VerletList, pair_vectors, round_up
@@ -241,13 +241,19 @@ class LeanPET:
         return neighbor_table(kept, self.pairs, self.backend.species_to_species_index[numbers], columns)
 
     def predict(
-        self, vectors: torch.Tensor, cells: torch.Tensor, numbers: torch.Tensor, direct: tuple[str, ...]
+        self,
+        vectors: torch.Tensor,
+        cells: torch.Tensor,
+        numbers: torch.Tensor,
+        direct: tuple[str, ...],
+        features: bool = False,
     ) -> tuple:
         """Per-atom energies [N] (eV, float64: PET's output, scaled and offset in float64),
         the ``direct`` heads' per-atom predictions (float64, scaled; [N, 3] and [N, 9]) and
         the sizes the step needed (a tensor [2]: the largest neighbor count and, on packed
         rows, the kept pairs' number), for the pair ``vectors`` [capacity, 3] of atoms of
-        atomic ``numbers`` [N] in structures of ``cells`` [S, 3, 3]."""
+        atomic ``numbers`` [N] in structures of ``cells`` [S, 3, 3]; with ``features`` the
+        energy head's last-layer features [N, F] (else None)."""
         heads = [self.heads[quantity] for quantity in (ENERGY, *direct)]
         if self.packed:
             from . import _packed
@@ -255,18 +261,17 @@ class LeanPET:
             species = self.backend.species_to_species_index[numbers]
             kept = self._kept_pairs(vectors, numbers.shape[0])
             inputs, most, total = packed_rows(kept, self.pairs, species, self.columns, self.rows)
-            outputs = _packed.predictions(self.backend, inputs, [head.name for head in heads])
+            outputs, found = _packed.predictions(self.backend, inputs, [head.name for head in heads], features)
         else:
             batch, most = self.neighbor_table(vectors, numbers, self.columns)
             nodes, edges = self.backend.calculate_features(batch)
-            factors, mask = batch["cutoff_factors"], batch["padding_mask"]
-            outputs = [readout_table(self.backend, head.name, nodes, edges, factors, mask) for head in heads]
+            outputs, found = table_predictions(self.backend, nodes, edges, batch, [h.name for h in heads], features)
             total = torch.zeros_like(most)
         scaled = [
             out.double() * head.scale[numbers][:, None] + head.offset[numbers][:, None]
             for out, head in zip(outputs, heads)
         ]
-        return scaled[0][:, 0], scaled[1:], torch.stack([most, total])
+        return scaled[0][:, 0], scaled[1:], torch.stack([most, total]), found
 
     def _step(
         self,
@@ -277,6 +282,7 @@ class LeanPET:
         grad: bool,
         stress: bool,
         direct: tuple[str, ...],
+        features: bool = False,
     ) -> dict:
         """One evaluation on the device, as tensors: per-structure energies [S], per-atom
         energies [N]; with ``grad`` the forces [N, 3] (and with ``stress`` each structure's
@@ -286,12 +292,14 @@ class LeanPET:
         positions = positions.detach().requires_grad_(grad)
         with torch.set_grad_enabled(grad):
             vectors = pair_vectors(positions, self.pairs)
-            energies, terms, sizes = self.predict(vectors, cells, numbers, direct)
+            energies, terms, sizes, found = self.predict(vectors, cells, numbers, direct, features)
             if grad:
                 grads = torch.autograd.grad(energies.sum(), [positions, vectors] if stress else [positions])
         count = cells.shape[0]
         totals = energies.new_zeros(count).index_add_(0, system, energies.detach())
         out = {"energy": totals, "energies": energies.detach(), "sizes": sizes}
+        if features:
+            out["energy_features"] = found.detach()
         if grad:
             out["forces"] = -grads[0]
         if grad and stress:  # dE/d(strain) of structure s: its pairs' v ⊗ dE/dv, summed (see the module doc)
@@ -319,7 +327,7 @@ class LeanPET:
             for q, name in ((FORCE, "non_conservative_forces"), (STRESS, "non_conservative_stress"))
             if name in properties
         )
-        flags = {"grad": grad, "stress": stress, "direct": direct}
+        flags = {"grad": grad, "stress": stress, "direct": direct, "features": "energy_features" in properties}
         batch = Structures.of(structures)
         self._use(batch)
         positions = torch.from_numpy(batch.positions).to(self.device, self.dtype)
@@ -347,7 +355,9 @@ class LeanPET:
         ends = np.cumsum(batch.sizes)[:-1]
         host = {key: value.double().cpu().numpy() for key, value in out.items() if key != "sizes"}
         per_atom = {
-            key: np.split(host[key], ends) for key in ("energies", "forces", "non_conservative_forces") if key in host
+            key: np.split(host[key], ends)
+            for key in ("energies", "forces", "non_conservative_forces", "energy_features")
+            if key in host
         }
         results = []
         for k, atoms in enumerate(structures):

@@ -55,11 +55,18 @@ class MetatomicEngine:
         """Per structure: ``energy`` (eV), ``energies`` [n] (eV; for one structure only when
         asked), ``forces`` [n, 3] (eV/Å) when ``"forces"`` or ``"stress"`` is asked,
         ``stress`` [3, 3] (eV/Å³) of each 3D-periodic structure when ``"stress"`` is asked,
-        and the direct heads' ``non_conservative_forces`` / ``non_conservative_stress`` when
-        asked. One structure goes through metatomic-ase's ``calculate``, which keeps its
+        the direct heads' ``non_conservative_forces`` / ``non_conservative_stress`` and the
+        energy head's last-layer ``energy_features`` [n, F] when asked. One structure goes through metatomic-ase's ``calculate``, which keeps its
         neighbor list between calls; several through one batched model call."""
         grad = "forces" in properties or "stress" in properties
         results = self._run(self.calculator, structures, properties, grad, "stress" in properties)
+        if "energy_features" in properties:  # the energy head's last-layer features, per atom
+            from metatomic.torch import ModelOutput
+
+            name = "mtt::aux::energy_last_layer_features"
+            for result, atoms in zip(results, structures):
+                out = self.calculator.run_model(atoms, {name: ModelOutput(sample_kind="atom")})
+                result["energy_features"] = out[name].block().values.detach().double().cpu().numpy()
         direct = [name for name in DIRECT if name in properties]
         if direct:
             setting = True if len(direct) == 2 else DIRECT[direct[0]]

@@ -110,7 +110,7 @@ def _gnn_layer(layer: torch.nn.Module, nodes: torch.Tensor, messages: torch.Tens
     return nodes, edges
 
 
-def features(backend: torch.nn.Module, packed: Packed) -> tuple[torch.Tensor, torch.Tensor]:
+def features_of(backend: torch.nn.Module, packed: Packed) -> tuple[torch.Tensor, torch.Tensor]:
     """metatrain's feed-forward featurizer on packed rows: the last GNN layer's node
     features [N, d_node] and edge features [R, d_pet] (zero-weighted in the padding rows)."""
     nodes = backend.node_embedders[0](packed.species)
@@ -134,8 +134,13 @@ def features(backend: torch.nn.Module, packed: Packed) -> tuple[torch.Tensor, to
     return nodes, edges
 
 
-def predictions(backend: torch.nn.Module, packed: Packed, names: list[str]) -> list[torch.Tensor]:
+def predictions(backend: torch.nn.Module, packed: Packed, names: list[str], features: bool = False) -> tuple:
     """PET's per-atom predictions [N, C] of the targets ``names`` (before the scaler and
-    composition model), read out of one pass of the GNN layers (:func:`ase_tcfp32._heads.readout`)."""
-    nodes, edges = features(backend, packed)
-    return [readout(backend, name, nodes, edges, packed.factors, packed.real, packed.centers) for name in names]
+    composition model), read out of one pass of the GNN layers (:func:`ase_tcfp32._heads.readout`),
+    and with ``features`` the first target's last-layer features [N, F] (else None)."""
+    nodes, edges = features_of(backend, packed)
+    out = [
+        readout(backend, name, nodes, edges, packed.factors, packed.real, packed.centers, k == 0 and features)
+        for k, name in enumerate(names)
+    ]
+    return ([out[0][0], *out[1:]], out[0][1]) if features else (out, None)

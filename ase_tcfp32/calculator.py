@@ -24,13 +24,13 @@ from ase.stress import full_3x3_to_voigt_6_stress
 
 from . import watchdog
 from ._engines import DIRECT, PROPERTIES, check_engine, make_engine
-from ._heads import FORCE, STRESS, Heads
+from ._heads import FORCE, LLPR, STRESS, Heads
 from ._memory import out_of_memory_message
 from ._prepare import prepare_model
 from ._progress import enabled as show_progress
 from ._progress import shown
 from .layers import EMULATED
-from .models import load_pet
+from .models import load_model
 from .precision import check_name, ieee_fp32_matmul, resolve_precision, support, triton_build_problem
 from .tcmodel import tensor_core
 
@@ -212,7 +212,8 @@ class TCPETCalculator(Calculator):
             check_accuracy = 0  # not FP32-accurate by design: nothing to watch (explicit N > 0 is refused)
         self.check_accuracy = watchdog.check_every(check_accuracy, watchdog.CALCULATOR_EVERY)
 
-        self.pet = load_pet(model, version)
+        self.pet, wrapper = load_model(model, version)
+        self._llpr = LLPR.of(wrapper)  # the energy's uncertainty, where the checkpoint has one
         if float64:
             self.pet = self.pet.double()
         dtype = next(self.pet.parameters()).dtype
@@ -345,7 +346,7 @@ class TCPETCalculator(Calculator):
         ``forces`` and ``stress`` from the direct heads where ``non_conservative`` says so,
         else from one backward pass, which gives a periodic system's stress with its forces
         for free (as metatomic-ase does)."""
-        wanted = {"energy", *(set(properties) & {"energies", *DIRECT})}
+        wanted = {"energy", *(set(properties) & {"energies", "energy_features", *DIRECT})}
         if "forces" in properties:
             wanted.add("non_conservative_forces" if self._direct_forces else "forces")
         if "stress" in properties:
@@ -386,6 +387,44 @@ class TCPETCalculator(Calculator):
 
         order, batch_size = self.rotational_average_order, self.rotational_average_batch_size
         return evaluate_averaged(evaluate, atoms, order, batch_size)
+
+    @property
+    def supports_uncertainty(self) -> bool:
+        """Whether the model carries an LLPR energy uncertainty (as PET-MAD releases do)."""
+        return self._llpr is not None
+
+    def get_energy_uncertainty(self, atoms: Atoms | None = None, per_atom: bool = False) -> np.ndarray:
+        """upet's: the LLPR uncertainty (eV) of the energy of ``atoms`` (default: the last
+        calculated structure): a 0-d array, or with ``per_atom`` one per atom [n]. The same
+        calibrated rigidity as metatrain's ``energy_uncertainty`` output, from the energy
+        head's last-layer features of the calculator's own evaluation (its precision)."""
+        features, energies = self._llpr_inputs(atoms)
+        rows = features if per_atom else features.sum(0, keepdim=True)
+        sigma = self._llpr.uncertainty(rows).numpy()
+        return sigma if per_atom else sigma.reshape(())
+
+    def get_energy_ensemble(self, atoms: Atoms | None = None, per_atom: bool = False) -> np.ndarray:
+        """upet's: the LLPR ensemble of the energy (eV) of ``atoms`` [K], or of each atom's
+        energy [n, K] with ``per_atom``; its mean is the prediction."""
+        features, energies = self._llpr_inputs(atoms)
+        if per_atom:
+            return self._llpr.ensemble(features, energies).numpy()
+        return self._llpr.ensemble(features.sum(0, keepdim=True), energies.sum(0, keepdim=True)).numpy()[0]
+
+    def _llpr_inputs(self, atoms: Atoms | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The energy head's last-layer features [n, F] and the per-atom energies [n] of
+        ``atoms`` (default: the last calculated), float64."""
+        if self._llpr is None:
+            raise NotImplementedError(
+                "this model carries no LLPR uncertainty: PET-MAD releases and the bundled demo model do "
+                "(see docs/upet.md)"
+            )
+        atoms = atoms if atoms is not None else self.atoms
+        if atoms is None:
+            raise ValueError("no atoms given and none calculated yet")
+        self.check_atoms(atoms, ["energy"])
+        result = self._compute([atoms], ("energy", "energies", "energy_features"))[0]
+        return torch.from_numpy(result["energy_features"]), torch.from_numpy(np.asarray(result["energies"]))
 
     @contextlib.contextmanager
     def _evaluating(self, atoms: int) -> Iterator[None]:

@@ -255,18 +255,20 @@ def _read_checkpoint(path: Path) -> torch.nn.Module:
         raise ValueError(f"could not read a metatrain checkpoint from '{path}': {error}") from error
 
 
-def _unwrap_pet(module: torch.nn.Module) -> torch.nn.Module:
+def _unwrap_pet(module: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """The metatrain PET in ``module`` and the LLPR model wrapping it (None if none)."""
     from metatomic.torch import AtomisticModel
     from metatrain.pet import PET
 
     if isinstance(module, AtomisticModel):
         module = module.module
+    wrapper = None
     inner = getattr(module, "model", None)  # LLPR-wrapped releases (PET-MAD)
     if isinstance(inner, PET):
-        module = inner
+        module, wrapper = inner, module
     if not isinstance(module, PET):
         raise TypeError(f"expected a metatrain PET model (or an LLPR model wrapping one), got {type(module).__name__}")
-    return module
+    return module, wrapper
 
 
 def load_pet(model: str | os.PathLike | torch.nn.Module, version: str = "latest") -> torch.nn.Module:
@@ -277,11 +279,19 @@ def load_pet(model: str | os.PathLike | torch.nn.Module, version: str = "latest"
     metatrain model (PET, LLPR-wrapped PET, or an unscripted ``AtomisticModel``).
     A module passed in is modified in place (heads dropped, parameters frozen).
     """
+    return load_model(model, version)[0]
+
+
+def load_model(
+    model: str | os.PathLike | torch.nn.Module, version: str = "latest"
+) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """:func:`load_pet`'s PET, and the LLPR model that wrapped it in the checkpoint (its
+    uncertainty calibration: :class:`ase_tcfp32._heads.LLPR`), or None."""
     import_dependencies()
     if isinstance(model, torch.nn.Module):
-        pet = _unwrap_pet(model)
+        pet, wrapper = _unwrap_pet(model)
     else:
-        pet = _unwrap_pet(_read_checkpoint(resolve_checkpoint(model, version)))
+        pet, wrapper = _unwrap_pet(_read_checkpoint(resolve_checkpoint(model, version)))
     for target in list(pet.output_shapes):
         if target.split("/")[0] not in KEPT:
             pet.remove_output(target)
@@ -289,4 +299,4 @@ def load_pet(model: str | os.PathLike | torch.nn.Module, version: str = "latest"
         raise ValueError("this PET model has no 'energy' output")
     for parameter in pet.parameters():
         parameter.requires_grad_(False)
-    return pet.eval()
+    return pet.eval(), wrapper

@@ -17,9 +17,10 @@ def pet64():
 
 
 def _both(pet, structures, **packed_options):
-    table = LeanPET(pet, torch.device("cpu")).compute(structures, PROPERTIES + DIRECT)
+    wanted = PROPERTIES + DIRECT + ("energy_features",)
+    table = LeanPET(pet, torch.device("cpu")).compute(structures, wanted)
     lean = LeanPET(pet, torch.device("cpu"), packed=True, **packed_options)
-    return table, lean.compute(structures, PROPERTIES + DIRECT), lean
+    return table, lean.compute(structures, wanted), lean
 
 
 def _assert_same(table, packed):
@@ -29,7 +30,7 @@ def _assert_same(table, packed):
         assert abs(a["energy"] - b["energy"]) <= 1e-12 * abs(a["energy"])
         assert np.abs(a["energies"] - b["energies"]).max() <= 1e-12 * np.abs(a["energies"]).max()
         assert np.abs(a["forces"] - b["forces"]).max() <= 1e-12 * scale
-        for name in ("stress", "non_conservative_forces", "non_conservative_stress"):  # the direct heads too
+        for name in ("stress", "non_conservative_forces", "non_conservative_stress", "energy_features"):
             if name in a:
                 assert np.abs(a[name] - b[name]).max() <= 1e-12 * np.abs(a[name]).max()
 

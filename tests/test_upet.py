@@ -202,6 +202,52 @@ def test_rotational_averaging_through_the_calculator(pet):
     assert averaged.results["forces"].shape == averaged.results["forces_rot_std"].shape == (6, 3)
 
 
+def test_the_llpr_uncertainty_and_ensemble_are_metatrains():
+    """upet's get_energy_uncertainty / get_energy_ensemble on the bundled demo model (an LLPR
+    around its PET), in both engines, equal metatrain's own outputs (its LLPR model exported,
+    run by metatomic-ase) to FP32 rounding, per structure and per atom; the ensemble's mean
+    is the energy; a compressed box is more uncertain per atom than the held-out density."""
+    import_dependencies(metatomic_ase=True)
+    from metatomic.torch import ModelOutput
+    from metatomic_ase import MetatomicCalculator
+    from metatrain.utils.io import load_model
+
+    from ase_tcfp32.models import bundled_checkpoint
+
+    atoms = water_box(8, seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = MetatomicCalculator(
+            load_model(bundled_checkpoint("pet-demo-chgnet")).export(), device="cpu", uncertainty_threshold=None
+        )
+    expected = {}
+    for kind in ("system", "atom"):
+        outputs = {name: ModelOutput(sample_kind=kind) for name in ("energy_uncertainty", "energy_ensemble")}
+        out = reference.run_model(atoms, outputs)
+        expected[kind] = [out[name].block().values.detach().double().numpy() for name in outputs]
+    for engine in ("lean", "metatomic"):
+        calc = TCPETCalculator("pet-demo-chgnet", precision="fp32", device="cpu", engine=engine, progress=False)
+        assert calc.supports_uncertainty
+        sigma, per_atom = calc.get_energy_uncertainty(atoms), calc.get_energy_uncertainty(atoms, per_atom=True)
+        ensemble, atom_ensemble = calc.get_energy_ensemble(atoms), calc.get_energy_ensemble(atoms, per_atom=True)
+        assert sigma.shape == () and per_atom.shape == (len(atoms),) and np.all(per_atom > 0)
+        assert ensemble.shape == (128,) and atom_ensemble.shape == (len(atoms), 128)
+        assert close(sigma, expected["system"][0].ravel()[0]) and close(per_atom, expected["atom"][0].ravel())
+        assert close(ensemble, expected["system"][1].ravel()) and close(atom_ensemble, expected["atom"][1])
+        assert ensemble.mean() == pytest.approx(calc.get_potential_energy(atoms), rel=FP32)
+    compressed = atoms.copy()
+    compressed.set_cell(atoms.cell * 0.8, scale_atoms=True)
+    per_atom_sigma = [float(calc.get_energy_uncertainty(a)) / len(a) for a in (atoms, compressed)]
+    assert per_atom_sigma[1] > 2 * per_atom_sigma[0]
+
+
+def test_a_model_without_llpr_says_so(pet, water):
+    calc = calculator(pet)
+    assert not calc.supports_uncertainty
+    with pytest.raises(NotImplementedError, match="carries no LLPR uncertainty"):
+        calc.get_energy_uncertainty(water)
+
+
 # --- on the GPU (pytest -m gpu tests; skipped without CUDA) ---
 
 
@@ -237,3 +283,20 @@ def test_direct_heads_on_tensor_cores_are_fp32_accurate(pet, precision):
     assert atoms.get_potential_energy() == pytest.approx(energy, rel=1e-6)
     averaged = calculator(pet, precision=precision, device="cuda", rotational_average_order=2)
     assert np.isfinite(averaged.get_potential_energy(structures[1])) and "energy_rot_std" in averaged.results
+
+
+@pytest.mark.gpu
+def test_the_llpr_uncertainty_on_tensor_cores():
+    """The demo model's uncertainty and ensemble with the default calculator on the GPU
+    (packed rows, CUDA graphs) agree with the FP32 CPU evaluation to FP32's error of the
+    features (the ensemble's spread, sigma ~0.1 eV, is what matters: 1e-4 relative)."""
+    atoms = water_box(32, seed=2)
+    cpu = TCPETCalculator("pet-demo-chgnet", precision="fp32", device="cpu", progress=False)
+    gpu = TCPETCalculator("pet-demo-chgnet", device="cuda", progress=False)
+    for per_atom in (False, True):
+        assert close(gpu.get_energy_uncertainty(atoms, per_atom), cpu.get_energy_uncertainty(atoms, per_atom), 1e-4)
+        ensemble, expected = (c.get_energy_ensemble(atoms, per_atom) for c in (gpu, cpu))
+        assert close(ensemble - ensemble.mean(-1, keepdims=True), expected - expected.mean(-1, keepdims=True), 1e-4)
+    atoms.calc = gpu
+    atoms.get_forces()  # the graph of a forces call, then the features' own
+    assert np.isfinite(gpu.get_energy_uncertainty()).all()
