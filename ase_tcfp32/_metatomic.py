@@ -56,7 +56,8 @@ class MetatomicEngine:
         asked), ``forces`` [n, 3] (eV/Å) when ``"forces"`` or ``"stress"`` is asked,
         ``stress`` [3, 3] (eV/Å³) of each 3D-periodic structure when ``"stress"`` is asked,
         the direct heads' ``non_conservative_forces`` / ``non_conservative_stress`` and the
-        energy head's last-layer ``energy_features`` [n, F] when asked. One structure goes through metatomic-ase's ``calculate``, which keeps its
+        energy head's last-layer ``energy_features`` [n, F] when asked. One structure goes
+        through metatomic-ase's ``calculate``, which keeps its
         neighbor list between calls; several through one batched model call."""
         grad = "forces" in properties or "stress" in properties
         results = self._run(self.calculator, structures, properties, grad, "stress" in properties)
