@@ -42,12 +42,9 @@ class Graph:
     :param step: a function of tensors returning a dict of tensors (the recorded outputs,
         overwritten by every replay).
     :param inputs: example inputs; copies become the graph's input buffers.
-    :param key: what else the recording depends on (e.g. which outputs were asked for);
-        the caller records a new graph when it changes.
     """
 
-    def __init__(self, step: Callable[..., dict], inputs: tuple, device: torch.device, key=None):
-        self.key = key
+    def __init__(self, step: Callable[..., dict], inputs: tuple, device: torch.device):
         self.inputs = tuple(t.clone() for t in inputs)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))

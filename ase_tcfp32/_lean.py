@@ -393,6 +393,6 @@ class LeanPET:
             torch.cuda.synchronize(self.device)
             with progress.doing(f"recording a CUDA graph ({positions.shape[0]} atoms, table width {self.width})"):
                 step = functools.partial(self._step, **flags)
-                self._graphs[key] = Graph(step, (positions, cells, numbers, system), self.device, key=key)
+                self._graphs[key] = Graph(step, (positions, cells, numbers, system), self.device)
             self.recordings += 1
         return self._graphs[key].replay(positions, cells, numbers, system)
