@@ -166,6 +166,28 @@ def average(results: Sequence[dict], rotations: np.ndarray, weights: np.ndarray,
     return out
 
 
+def check_batch_size(batch_size) -> None:
+    """A clear error for a ``rotational_average_batch_size`` other than None or a positive integer."""
+    if batch_size is not None and (
+        isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1
+    ):
+        raise ValueError(
+            f"rotational_average_batch_size is a positive number of copies (a positive integer) or None, "
+            f"not {batch_size!r}"
+        )
+
+
+def check(order: int | None, batch_size: int | None) -> None:
+    """Clear errors, before any evaluation, for an averaging ``order`` (None or 0: no
+    averaging, as upet) or ``batch_size`` that cannot be used."""
+    check_batch_size(batch_size)
+    if not order:
+        if batch_size is not None:
+            raise ValueError("rotational_average_batch_size needs rotational_average_order")
+        return
+    quadrature(order)  # the order's checks
+
+
 def evaluate_averaged(
     evaluate: Callable[[list[Atoms]], list[dict]],
     atoms: Atoms,
@@ -188,12 +210,10 @@ def evaluate_averaged(
     :return: :func:`average`'s dict: averages and ``*_rot_std`` standard deviations.
     :raises torch.OutOfMemoryError: a batch did not fit, with advice on what to lower.
     """
+    check_batch_size(batch_size)
     rotations, weights = quadrature(order)
     count = len(rotations)
-    if batch_size is None:
-        batch_size = count
-    elif isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"rotational_average_batch_size must be a positive integer or None, not {batch_size!r}")
+    batch_size = count if batch_size is None else batch_size
     copies = rotated(atoms, rotations)
     results = []
     for start in range(0, count, batch_size):

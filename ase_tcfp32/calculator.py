@@ -22,7 +22,7 @@ from ase.calculators.calculator import Calculator, PropertyNotImplementedError, 
 from ase.data import chemical_symbols
 from ase.stress import full_3x3_to_voigt_6_stress
 
-from . import watchdog
+from . import _rotations, watchdog
 from ._engines import DIRECT, PROPERTIES, check_engine, make_engine
 from ._heads import FORCE, LLPR, STRESS, Heads
 from ._memory import out_of_memory_message
@@ -71,19 +71,6 @@ def _check_dtype(dtype, precision: str, emulate: str | None) -> bool:
             + (f" or emulate={emulate!r}" if emulate else "")
         )
     return names[dtype]
-
-
-def _check_rotational_average(order: int | None, batch_size: int | None) -> None:
-    """A clear error for a rotational-average order or batch size we cannot use."""
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
-        raise ValueError(f"rotational_average_batch_size is a positive number of copies, not {batch_size!r}")
-    if not order:
-        if batch_size is not None:
-            raise ValueError("rotational_average_batch_size needs rotational_average_order")
-        return
-    from ._rotations import quadrature
-
-    quadrature(order)  # the order's checks
 
 
 class TCPETCalculator(Calculator):
@@ -180,7 +167,7 @@ class TCPETCalculator(Calculator):
             raise ValueError(f"non_conservative is False, True, 'forces' or 'stress', not {non_conservative!r}")
         if variants is not None and not isinstance(variants, dict):
             raise TypeError(f"variants is a dict such as {{'energy': 'r2scan'}}, not {variants!r}")
-        _check_rotational_average(rotational_average_order, rotational_average_batch_size)
+        _rotations.check(rotational_average_order, rotational_average_batch_size)
         self.rotational_average_order = rotational_average_order or None  # 0 or None: no averaging, as upet
         self.rotational_average_batch_size = rotational_average_batch_size
         self.non_conservative = non_conservative
@@ -380,13 +367,12 @@ class TCPETCalculator(Calculator):
     def _averaged(self, atoms: Atoms, properties) -> dict:
         """``properties`` of ``atoms`` averaged over rotations (:mod:`ase_tcfp32._rotations`:
         the copies in batched evaluations)."""
-        from ._rotations import evaluate_averaged
 
         def evaluate(copies):
             return self._compute(copies, properties)
 
         order, batch_size = self.rotational_average_order, self.rotational_average_batch_size
-        return evaluate_averaged(evaluate, atoms, order, batch_size)
+        return _rotations.evaluate_averaged(evaluate, atoms, order, batch_size)
 
     @property
     def supports_uncertainty(self) -> bool:
