@@ -134,14 +134,14 @@ def readout(
     real: torch.Tensor,
     centers: torch.Tensor,
     features: bool = False,
-):
-    """PET's per-atom prediction [N, C] of target ``name`` from the last GNN layer's node
-    features [N, d_node] and edge features [R, d] on packed rows (``factors`` [R] their
+) -> tuple:
+    """``(prediction, features)``: PET's per-atom prediction [N, C] of target ``name`` from
+    the last GNN layer's node features [N, d_node] and edge features [R, d] on packed rows (``factors`` [R] their
     cutoff factors, ``real`` [R] which rows hold a pair, ``centers`` [R] each row's atom),
     before the scaler: the node head's result plus the cutoff-weighted edge heads' results
-    summed over each atom's rows, as metatrain's readout does over its table. With
-    ``features``, also the head's last-layer features [N, 2 d_head] (the node head's, then
-    the edge heads' weighted sum: metatrain's ``mtt::aux::<name>_last_layer_features``)."""
+    summed over each atom's rows, as metatrain's readout does over its table; and with
+    ``features`` the head's last-layer features [N, 2 d_head] (the node head's, then the
+    edge heads' weighted sum: metatrain's ``mtt::aux::<name>_last_layer_features``), else None."""
     node_last, edge_last = (
         next(iter(layers[name][0].values())) for layers in (backend.node_last_layers, backend.edge_last_layers)
     )
@@ -151,7 +151,7 @@ def readout(
     edge_terms = torch.where(real[:, None], edge_last(edge_features), 0.0) * factors[:, None]
     prediction = per_atom + torch.zeros_like(per_atom).index_add_(0, centers, edge_terms)
     if not features:
-        return prediction
+        return prediction, None
     weighted = torch.where(real[:, None], edge_features, 0.0) * factors[:, None]
     summed = node_features.new_zeros(node_features.shape[0], weighted.shape[1]).index_add_(0, centers, weighted)
     return prediction, torch.cat([node_features, summed], dim=1)
@@ -165,11 +165,11 @@ def readout_table(
     factors: torch.Tensor,
     mask: torch.Tensor,
     features: bool = False,
-):
+) -> tuple:
     """:func:`readout` on metatrain's neighbor table: from each GNN layer's node features
     [N, d_node] and edge features [N, J, d] (``factors`` [N, J] the cutoff factors,
-    ``mask`` [N, J] the real slots), summed over the layers in metatrain's order; with
-    ``features``, also every layer's last-layer features, node then edge, side by side."""
+    ``mask`` [N, J] the real slots), summed over the layers in metatrain's order, and with
+    ``features`` every layer's last-layer features, node then edge, side by side (else None)."""
     total, found = None, []
     for layer, (node_features, edge_features) in enumerate(zip(nodes, edges, strict=True)):
         node_last, edge_last = (
@@ -181,7 +181,7 @@ def readout_table(
         edge_terms = (torch.where(mask[..., None], edge_last(edge_heads), 0.0) * factors[..., None]).sum(dim=1)
         total = node_terms + edge_terms if total is None else total + node_terms + edge_terms
         found += [node_heads, (edge_heads * factors[..., None]).sum(dim=1)] if features else []
-    return (total, torch.cat(found, dim=1)) if features else total
+    return total, torch.cat(found, dim=1) if features else None
 
 
 def table_predictions(
@@ -193,7 +193,7 @@ def table_predictions(
     out = [
         readout_table(backend, name, nodes, edges, factors, mask, k == 0 and features) for k, name in enumerate(names)
     ]
-    return ([out[0][0], *out[1:]], out[0][1]) if features else (out, None)
+    return [prediction for prediction, _ in out], out[0][1]
 
 
 def direct_output(quantity: str, term: torch.Tensor, cells: torch.Tensor, system: torch.Tensor) -> dict:

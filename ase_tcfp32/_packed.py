@@ -143,4 +143,4 @@ def predictions(backend: torch.nn.Module, packed: Packed, names: list[str], feat
         readout(backend, name, nodes, edges, packed.factors, packed.real, packed.centers, k == 0 and features)
         for k, name in enumerate(names)
     ]
-    return ([out[0][0], *out[1:]], out[0][1]) if features else (out, None)
+    return [prediction for prediction, _ in out], out[0][1]
