@@ -95,6 +95,8 @@ class LeanPET:
         model's default energy, and its direct heads where it has them).
     :param packed: evaluate PET on packed rows, without the table's padding
         (:mod:`ase_tcfp32._packed`: its attention on tensor cores; not with ``compile``).
+    :param pieces: on packed rows, evaluate systems of more atoms than this in pieces of
+        this many, one GNN layer at a time (:mod:`ase_tcfp32._layerwise`); 0: never.
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class LeanPET:
         check_every: int = 0,
         packed: bool = False,
         heads: Heads | None = None,
+        pieces: int = 0,
     ):
         from metatrain.pet.modules import adaptive_cutoff, utilities
 
@@ -131,7 +134,7 @@ class LeanPET:
         self.cuda_graphs = False  # set per system, with the skin
         self.system = torch.zeros(0, dtype=torch.long, device=device)  # [N] the structure of each atom
         self.columns = torch.arange(0, device=device)  # [J]: the neighbor table's columns
-        self.packed, self.rows = packed, 0  # PET on packed rows (ase_tcfp32._packed), in this many
+        self.packed, self.rows, self.pieces = packed, 0, pieces  # PET on packed rows (ase_tcfp32._packed), in this many
         self.widenings = 0
         self.evaluations = 0
         self.recordings = 0  # CUDA graphs recorded
@@ -228,9 +231,7 @@ class LeanPET:
             pair_cutoffs = torch.full_like(distances, backend.cutoff)
         keep = (distances <= pair_cutoffs) & pairs.valid
         factors = self._cutoff_function(distances, pair_cutoffs, backend.cutoff_width)
-        before = torch.nn.functional.pad(
-            torch.cumsum(keep.long(), 0), (1, 0)
-        )  # [capacity + 1]: kept pairs before pair k
+        before = torch.nn.functional.pad(torch.cumsum(keep.long(), 0), (1, 0))  # [capacity + 1]: kept before k
         counts = before[pairs.first[1:]] - before[pairs.first[:-1]]
         return Kept(vectors, factors, keep, before, counts)
 
@@ -256,12 +257,12 @@ class LeanPET:
         energy head's last-layer features [N, F] (else None)."""
         heads = [self.heads[quantity] for quantity in (ENERGY, *direct)]
         if self.packed:
-            from . import _packed
+            from ._layerwise import predictions  # the whole system, or in pieces
 
             species = self.backend.species_to_species_index[numbers]
             kept = self._kept_pairs(vectors, numbers.shape[0])
             inputs, most, total = packed_rows(kept, self.pairs, species, self.columns, self.rows)
-            outputs, found = _packed.predictions(self.backend, inputs, [head.name for head in heads], features)
+            outputs, found = predictions(self.backend, inputs, [head.name for head in heads], features, self.pieces)
         else:
             batch, most = self.neighbor_table(vectors, numbers, self.columns)
             nodes, edges = self.backend.calculate_features(batch)

@@ -1,0 +1,233 @@
+"""PET on packed rows in pieces, one GNN layer at a time: systems larger than the GPU.
+
+A whole-system evaluation keeps every layer's activations for the backward pass: about
+1.6 MB per water atom with PET-S (0.9 MB with ``low_memory=True``), so an H200 holds
+~80,000 atoms (~130,000). But a GNN layer of PET is local: atom i's new node features and
+its rows' messages depend only on its own node features and rows (its neighbors' messages
+from the layer before, its pairs' geometry). Only between layers do rows meet rows of other
+atoms: the message combination pairs each row with its reverse row,
+``e' = e + o + mlp(norm(cat(o, o[reverse])))``. So the layers run piece by piece (a piece:
+consecutive atoms and their rows), and only per-row tensors of the whole system stay in
+memory between them:
+
+- forward: each layer's output messages ``o`` [R, d] are written piece by piece, then the
+  next layer's input messages from them; every layer's input messages are kept (the
+  first layer's, an embedding of the neighbors' species, is recomputed instead);
+- backward (:class:`_Pieces`): from the top, the readout and the last combination
+  piece by piece, which gives the gradients of the last ``o`` (scattered to the reverse
+  rows too) and of the last input messages; then for each layer, top down, its pieces
+  run again with gradients (their activations exist for one piece at a time) and return
+  the gradients of their input messages, node features and pair geometry; below the top
+  layer, that layer's ``o`` is computed again first, without gradients, for its
+  combination's backward.
+
+At the peak (the top layer's backward) the system holds its kept rows [R, d] five times
+over for three GNN layers (PET-S: d = 256; water keeps ~30 rows per atom: ~150 KB per
+atom) plus its candidate pairs; the pieces' own activations are bounded by their size.
+The price is one more forward pass of each layer but the top one (a whole evaluation runs
+each layer forward once and backward once). Results are the whole evaluation's to
+rounding: the same modules on the same rows, summed in another order
+(``tests/test_layerwise.py``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from ._heads import readout
+from ._kernels.attention import Sequences
+from ._packed import Packed, _gnn_layer, _inner
+from ._packed import predictions as _packed_predictions
+
+
+class Piece(NamedTuple):
+    """Atoms ``start`` .. ``stop - 1`` and their rows ``first`` .. ``last - 1``."""
+
+    start: int
+    stop: int
+    first: int
+    last: int
+
+
+def pieces(first: np.ndarray, total: int, atoms: int) -> list[Piece]:
+    """Consecutive pieces of at most ``atoms`` atoms, for atoms whose rows start at
+    ``first`` [N] (host int64) of ``total`` rows in use."""
+    n, first = first.shape[0], np.minimum(first, total)
+    bounds = list(range(0, n, max(1, atoms))) + [n]
+    ends = np.append(first, total)
+    return [Piece(a, b, int(ends[a]), int(ends[b])) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+def _rows(packed: Packed, piece: Piece, vectors, distances, factors) -> Packed:
+    """The rows of ``piece`` as a packed system of its own (its atoms numbered from 0),
+    with the given geometry of those rows."""
+    a, b, r0, r1 = piece
+    sequences = packed.sequences
+    local = Sequences(
+        sequences.first[a:b] - r0,
+        sequences.counts[a:b],
+        torch.full((), r1 - r0, dtype=torch.long, device=sequences.first.device),
+        sequences.tokens,
+    )
+    return Packed(
+        packed.species[a:b],
+        packed.neighbor_species[r0:r1],
+        vectors,
+        distances,
+        factors,
+        packed.centers[r0:r1] - a,
+        packed.real[r0:r1],
+        packed.reverse[r0:r1],
+        local,
+    )
+
+
+def _layer(gnn_layer, nodes, edges, packed: Packed, plan: list[Piece]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One GNN layer over every piece, without gradients: node features [N, d_node] and
+    output messages [R, d] (zero in the rows no piece holds: the padding rows)."""
+    out_nodes, out = None, torch.zeros_like(edges)
+    for piece in plan:
+        a, b, r0, r1 = piece
+        rows = _rows(packed, piece, packed.vectors[r0:r1], packed.distances[r0:r1], packed.factors[r0:r1])
+        new_nodes, out[r0:r1] = _gnn_layer(gnn_layer, nodes[a:b], edges[r0:r1], rows)
+        if out_nodes is None:
+            out_nodes = new_nodes.new_empty(nodes.shape[0], new_nodes.shape[1])
+        out_nodes[a:b] = new_nodes
+    return out_nodes, out
+
+
+def _combined(edges, out, rows: slice, reverse, norm, mlp) -> torch.Tensor:
+    """The next layer's input messages of ``rows``: metatrain's message combination."""
+    o = out[rows]
+    return edges[rows] + o + mlp(norm(torch.cat([o, out[reverse[rows]]], dim=-1)))
+
+
+class _Pieces(torch.autograd.Function):
+    """PET's per-atom predictions from pair geometry, evaluated layer by layer in pieces
+    (see the module doc); differentiable with respect to the geometry (rows' vectors,
+    distances and cutoff factors), through the first target only."""
+
+    @staticmethod
+    def forward(ctx, vectors, distances, factors, backend, packed: Packed, names, plan, features):
+        packed = packed._replace(vectors=vectors, distances=distances, factors=factors)
+        norms, mlps, layers = backend.combination_norms, backend.combination_mlps, backend.gnn_layers
+        nodes = backend.node_embedders[0](packed.species)
+        edges = backend.edge_embedder(packed.neighbor_species)
+        kept = []  # each layer's inputs (nodes, messages); the first layer's messages recomputed
+        for k, layer in enumerate(layers):
+            kept.append((nodes, edges if k else None))
+            nodes, out = _layer(_inner(layer), nodes, edges, packed, plan)
+            if k + 1 < len(layers):
+                following = torch.empty_like(edges)
+                for piece in plan:
+                    rows = slice(piece.first, piece.last)
+                    following[rows] = _combined(edges, out, rows, packed.reverse, norms[k], mlps[k])
+                edges = following
+        predictions = [[] for _ in names]
+        found = []
+        for piece in plan:
+            rows = slice(piece.first, piece.last)
+            top = _combined(edges, out, rows, packed.reverse, norms[-1], mlps[-1])
+            local = _rows(packed, piece, None, None, factors[rows])
+            for k, name in enumerate(names):
+                atoms = nodes[piece.start : piece.stop]
+                wanted = k == 0 and features
+                prediction, piece_features = readout(
+                    backend, name, atoms, top, local.factors, local.real, local.centers, wanted
+                )
+                predictions[k].append(prediction)
+                if piece_features is not None:
+                    found.append(piece_features)
+        ctx.backend, ctx.packed, ctx.names, ctx.plan = backend, packed, names, plan
+        ctx.kept, ctx.top = kept, (nodes, out, edges)
+        outputs = [torch.cat(p) for p in predictions] + ([torch.cat(found)] if features else [])
+        ctx.mark_non_differentiable(*outputs[1:])
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, grad, *_):
+        backend, packed, plan = ctx.backend, ctx.packed, ctx.plan
+        norms, mlps, layers = backend.combination_norms, backend.combination_mlps, backend.gnn_layers
+        nodes, out, edges = ctx.top
+        ctx.top = None
+        geometry = [torch.zeros_like(t) for t in (packed.vectors, packed.distances, packed.factors)]
+        grad_out = torch.zeros_like(out)  # dE/do of the layer in hand
+        grad_edges = torch.zeros_like(out)  # dE/d(that layer's input messages)
+        grad_nodes = torch.empty_like(nodes)
+        with torch.enable_grad():
+            for piece in plan:  # the readout and the top combination
+                a, b, r0, r1 = piece
+                reverse = packed.reverse[r0:r1]
+                leaves = [
+                    t.detach().requires_grad_()
+                    for t in (nodes[a:b], out[r0:r1], out[reverse], edges[r0:r1], packed.factors[r0:r1])
+                ]
+                top_nodes, o, o_reverse, below, factors = leaves
+                top = below + o + mlps[-1](norms[-1](torch.cat([o, o_reverse], dim=-1)))
+                local = _rows(packed, piece, None, None, factors)
+                prediction, _ = readout(
+                    backend, ctx.names[0], top_nodes, top, local.factors, local.real, local.centers
+                )
+                grads = torch.autograd.grad(prediction, leaves, grad[a:b])
+                grad_nodes[a:b], grad_edges[r0:r1] = grads[0], grads[3]
+                grad_out[r0:r1] += grads[1]
+                grad_out.index_add_(0, reverse, grads[2])
+                geometry[2][r0:r1] += grads[4]
+            del out, edges
+            for k in reversed(range(len(layers))):
+                layer = _inner(layers[k])
+                nodes, edges = ctx.kept[k]
+                if edges is None:
+                    edges = backend.edge_embedder(packed.neighbor_species)
+                if k + 1 < len(layers):  # this layer's combination, backward: dE/do from dE/d(next messages)
+                    with torch.no_grad():
+                        out = _layer(layer, nodes, edges, packed, plan)[1]
+                    grad_out.zero_()
+                    for piece in plan:
+                        r0, r1 = piece.first, piece.last
+                        reverse = packed.reverse[r0:r1]
+                        o, o_reverse = (t.detach().requires_grad_() for t in (out[r0:r1], out[reverse]))
+                        combined = o + mlps[k](norms[k](torch.cat([o, o_reverse], dim=-1)))
+                        grads = torch.autograd.grad(combined, [o, o_reverse], grad_edges[r0:r1])
+                        grad_out[r0:r1] += grads[0]
+                        grad_out.index_add_(0, reverse, grads[1])
+                    del out
+                grad_below = torch.zeros_like(nodes) if k else None
+                for piece in plan:  # the layer again, piece by piece, with gradients
+                    a, b, r0, r1 = piece
+                    inputs = [packed.vectors[r0:r1], packed.distances[r0:r1], packed.factors[r0:r1]]
+                    inputs += [nodes[a:b], edges[r0:r1]] if k else []
+                    leaves = [t.detach().requires_grad_() for t in inputs]
+                    rows = _rows(packed, piece, *leaves[:3])
+                    below = (leaves[3], leaves[4]) if k else (nodes[a:b], edges[r0:r1])
+                    new_nodes, o = _gnn_layer(layer, *below, rows)
+                    grads = torch.autograd.grad(
+                        [new_nodes, o], leaves, [grad_nodes[a:b], grad_out[r0:r1]], allow_unused=True
+                    )
+                    for total, part in zip(geometry, grads[:3]):
+                        if part is not None:
+                            total[r0:r1] += part
+                    if k:
+                        grad_below[a:b] = grads[3]
+                        grad_edges[r0:r1] += grads[4]
+                grad_nodes = grad_below
+        ctx.kept = None
+        return (*geometry, None, None, None, None, None)
+
+
+def predictions(backend: torch.nn.Module, packed: Packed, names: list[str], features: bool, atoms: int) -> tuple:
+    """:func:`ase_tcfp32._packed.predictions` (PET's per-atom predictions [N, C] of the
+    targets ``names``, and with ``features`` the first target's last-layer features [N, F],
+    else None), evaluated in pieces of at most ``atoms`` atoms, one GNN layer at a time, for
+    systems of more atoms (see the module doc; ``atoms`` = 0: never)."""
+    if not atoms or packed.species.shape[0] <= atoms:
+        return _packed_predictions(backend, packed, names, features)
+    total = int(packed.sequences.total)
+    plan = pieces(packed.sequences.first.cpu().numpy(), total, atoms)
+    outputs = _Pieces.apply(
+        packed.vectors, packed.distances, packed.factors, backend, packed, list(names), plan, features
+    )
+    return list(outputs[: len(names)]), (outputs[-1] if features else None)
