@@ -22,6 +22,7 @@ from ase import Atoms
 
 from ._heads import Heads
 from ._lean import LeanPET, unsupported_reason
+from ._memory import pieces_for
 from ._packed import unsupported_reason as packed_problem
 
 PROPERTIES = ("energy", "energies", "forces", "stress")
@@ -109,6 +110,7 @@ def make_engine(
     check_every: int = 0,
     packed: bool = False,
     heads: Heads | None = None,
+    piece_atoms: int | None = 0,
 ) -> tuple[Engine, str, str]:
     """The engine ``engine`` (one of :data:`ENGINES`) for the prepared ``pet`` on ``device``,
     the name of the one it runs, and why, in words.
@@ -120,6 +122,9 @@ def make_engine(
         packed rows (:mod:`ase_tcfp32._packed`) unless the model is compiled.
     :param heads: which of the model's outputs to read (:class:`ase_tcfp32._heads.Heads`:
         variants, direct heads; default: the default energy and whichever direct heads exist).
+    :param piece_atoms: evaluate large systems in pieces, one GNN layer at a time, on packed
+        rows (:func:`ase_tcfp32._memory.pieces_for`: None automatic, 0 never, N > 0 above N
+        atoms); lean engines only.
     """
     check_engine(engine, device, low_memory)
     used, reason = choose_engine(pet, device, low_memory) if engine == "auto" else (engine, "chosen by the caller")
@@ -127,14 +132,28 @@ def make_engine(
     pair_bound = engine == "auto" and not replays  # a CPU, low_memory: every candidate pair costs work
     skin = (LARGE_SKIN if pair_bound else SMALL_SKIN) if neighbor_skin is None else neighbor_skin
     if used == "metatomic":
+        if piece_atoms:
+            raise ValueError(f"piece_atoms={piece_atoms}: pieces are evaluated by the lean engines, not 'metatomic'")
         from ._metatomic import MetatomicEngine
 
         return MetatomicEngine(pet, device, skin, heads.variants if heads else None), used, reason
     graph_atoms, large_skin = (sys.maxsize if used == "graphs" else 0), None
     if replays:
         graph_atoms, large_skin = GRAPH_ATOMS, (LARGE_SKIN if neighbor_skin is None else neighbor_skin)
-    packed = packed and not compile and packed_problem(pet) is None
+    whole = "compile=True" if compile else packed_problem(pet)  # why packed rows cannot evaluate it, or None
+    if piece_atoms and whole:
+        raise ValueError(f"piece_atoms={piece_atoms}: pieces need packed rows, which cannot be used: {whole}")
+    pieces = pieces_for(pet, device, piece_atoms, low_memory) if (packed or piece_atoms) and not whole else None
     lean = LeanPET(
-        pet, device, skin, graph_atoms, large_skin, compile=compile, check_every=check_every, packed=packed, heads=heads
+        pet,
+        device,
+        skin,
+        graph_atoms,
+        large_skin,
+        compile=compile,
+        check_every=check_every,
+        packed=(packed or pieces is not None) and not whole,
+        heads=heads,
+        pieces=pieces,
     )
     return lean, used, reason

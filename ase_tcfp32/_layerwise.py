@@ -43,6 +43,14 @@ from ._packed import Packed, _gnn_layer, _inner
 from ._packed import predictions as _packed_predictions
 
 
+class Pieces(NamedTuple):
+    """When and how to evaluate in pieces: systems of more than ``above`` atoms, in pieces
+    of at most ``atoms`` atoms."""
+
+    above: int
+    atoms: int
+
+
 class Piece(NamedTuple):
     """Atoms ``start`` .. ``stop - 1`` and their rows ``first`` .. ``last - 1``."""
 
@@ -168,9 +176,7 @@ class _Pieces(torch.autograd.Function):
                 top_nodes, o, o_reverse, below, factors = leaves
                 top = below + o + mlps[-1](norms[-1](torch.cat([o, o_reverse], dim=-1)))
                 local = _rows(packed, piece, None, None, factors)
-                prediction, _ = readout(
-                    backend, ctx.names[0], top_nodes, top, local.factors, local.real, local.centers
-                )
+                prediction, _ = readout(backend, ctx.names[0], top_nodes, top, local.factors, local.real, local.centers)
                 grads = torch.autograd.grad(prediction, leaves, grad[a:b])
                 grad_nodes[a:b], grad_edges[r0:r1] = grads[0], grads[3]
                 grad_out[r0:r1] += grads[1]
@@ -218,15 +224,17 @@ class _Pieces(torch.autograd.Function):
         return (*geometry, None, None, None, None, None)
 
 
-def predictions(backend: torch.nn.Module, packed: Packed, names: list[str], features: bool, atoms: int) -> tuple:
+def predictions(
+    backend: torch.nn.Module, packed: Packed, names: list[str], features: bool, policy: Pieces | None
+) -> tuple:
     """:func:`ase_tcfp32._packed.predictions` (PET's per-atom predictions [N, C] of the
     targets ``names``, and with ``features`` the first target's last-layer features [N, F],
-    else None), evaluated in pieces of at most ``atoms`` atoms, one GNN layer at a time, for
-    systems of more atoms (see the module doc; ``atoms`` = 0: never)."""
-    if not atoms or packed.species.shape[0] <= atoms:
+    else None), evaluated in pieces, one GNN layer at a time, where the ``policy`` says so
+    (see the module doc; None: never)."""
+    if policy is None or packed.species.shape[0] <= policy.above:
         return _packed_predictions(backend, packed, names, features)
     total = int(packed.sequences.total)
-    plan = pieces(packed.sequences.first.cpu().numpy(), total, atoms)
+    plan = pieces(packed.sequences.first.cpu().numpy(), total, policy.atoms)
     outputs = _Pieces.apply(
         packed.vectors, packed.distances, packed.factors, backend, packed, list(names), plan, features
     )

@@ -95,8 +95,8 @@ class LeanPET:
         model's default energy, and its direct heads where it has them).
     :param packed: evaluate PET on packed rows, without the table's padding
         (:mod:`ase_tcfp32._packed`: its attention on tensor cores; not with ``compile``).
-    :param pieces: on packed rows, evaluate systems of more atoms than this in pieces of
-        this many, one GNN layer at a time (:mod:`ase_tcfp32._layerwise`); 0: never.
+    :param pieces: on packed rows, when to evaluate a system in pieces, one GNN layer at a
+        time (:class:`ase_tcfp32._layerwise.Pieces`; None: never).
     """
 
     def __init__(
@@ -110,7 +110,7 @@ class LeanPET:
         check_every: int = 0,
         packed: bool = False,
         heads: Heads | None = None,
-        pieces: int = 0,
+        pieces=None,
     ):
         from metatrain.pet.modules import adaptive_cutoff, utilities
 
@@ -176,7 +176,8 @@ class LeanPET:
         if self.neighbors.new_system(batch):
             sizes = torch.tensor(batch.sizes)
             self.system = torch.repeat_interleave(torch.arange(len(sizes)), sizes).to(self.device)
-            self.cuda_graphs = len(batch.numbers) <= self.graph_atoms
+            pieces = self.pieces is not None and len(batch.numbers) > self.pieces.above  # no host reads in a graph
+            self.cuda_graphs = len(batch.numbers) <= self.graph_atoms and not pieces
             self.neighbors.skin = self.skins[0] if self.cuda_graphs else self.skins[1]
             self._set_width(0)
         if self.neighbors.stale(batch) and not self.neighbors.update(batch, in_place=bool(self._graphs)):
@@ -323,11 +324,8 @@ class LeanPET:
         evaluation (same-size copies, like path-integral beads, are the fast case)."""
         grad = "forces" in properties or "stress" in properties
         stress = "stress" in properties and any(atoms.pbc.all() for atoms in structures)
-        direct = tuple(
-            q
-            for q, name in ((FORCE, "non_conservative_forces"), (STRESS, "non_conservative_stress"))
-            if name in properties
-        )
+        named = ((FORCE, "non_conservative_forces"), (STRESS, "non_conservative_stress"))
+        direct = tuple(quantity for quantity, name in named if name in properties)
         flags = {"grad": grad, "stress": stress, "direct": direct, "features": "energy_features" in properties}
         batch = Structures.of(structures)
         self._use(batch)

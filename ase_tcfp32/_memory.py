@@ -35,6 +35,28 @@ def bytes_per_atom(pet: torch.nn.Module, low_memory: bool) -> float:
     return PER_ATOM[shape][bool(low_memory)] * size / (shape[0] * shape[1] * shape[2])
 
 
+PIECE_SHARE = 0.08
+"""The share of a GPU's memory that one piece's activations may take when a system is
+evaluated in pieces (:mod:`ase_tcfp32._layerwise`): the rest holds the whole system's
+per-row tensors."""
+
+
+def pieces_for(pet: torch.nn.Module, device: torch.device, piece_atoms: int | None, low_memory: bool):
+    """When to evaluate a system in pieces (:class:`ase_tcfp32._layerwise.Pieces`, or None:
+    never): ``piece_atoms`` > 0, systems of more atoms than that in pieces of that many; 0,
+    never; None, on a GPU, systems larger than fit whole (:func:`largest_system`) in pieces
+    whose one GNN layer's activations take :data:`PIECE_SHARE` of its memory (on a CPU, never)."""
+    from ._layerwise import Pieces
+
+    if piece_atoms is not None:
+        return Pieces(piece_atoms, piece_atoms) if piece_atoms else None
+    if device.type != "cuda":
+        return None
+    memory = torch.cuda.get_device_properties(device).total_memory
+    per_layer = bytes_per_atom(pet, False) / len(pet.backend.gnn_layers)
+    return Pieces(largest_system(pet, memory, low_memory), max(1024, int(PIECE_SHARE * memory / per_layer)))
+
+
 def largest_system(pet: torch.nn.Module, memory: int, low_memory: bool) -> int:
     """About how many atoms of water-like density fit in ``memory`` bytes of a GPU."""
     return int(USABLE * memory / bytes_per_atom(pet, low_memory))

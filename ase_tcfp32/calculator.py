@@ -119,6 +119,12 @@ class TCPETCalculator(Calculator):
     :param low_memory: keep only each GNN layer's inputs for the backward pass and
         recompute the rest there (``torch.utils.checkpoint``): much less memory for
         forces on large systems, one extra forward pass of the GNN layers per step.
+    :param piece_atoms: evaluate systems of more atoms than this in pieces of this many,
+        one GNN layer at a time (:mod:`ase_tcfp32._layerwise`: results equal the whole
+        evaluation's to rounding; ~5x the largest system that fits whole, at the cost of
+        one more forward pass of all GNN layers but the last); 0: never. Default: on a GPU,
+        the systems too large to fit whole (estimated from measured memory per atom,
+        docs/scaling.md), in pieces sized from the GPU's memory.
     :param engine: ``"auto"`` (default: the fastest for the device and system, see
         :func:`ase_tcfp32._engines.choose_engine`; ``repr(calc)`` says what it picked and why),
         ``"metatomic"`` (metatomic-ase's calculator around the model), ``"lean"`` (the
@@ -157,6 +163,7 @@ class TCPETCalculator(Calculator):
         neighbor_skin: float | None = None,
         compile: bool = False,
         low_memory: bool = False,
+        piece_atoms: int | None = None,
         engine: str = "auto",
         check_accuracy: int | None = None,
         progress: bool | None = None,
@@ -192,6 +199,10 @@ class TCPETCalculator(Calculator):
             self.device, self.precision = torch.device("cpu"), precision
             self.backend = f"tcmodel:{tensor_core(emulate).name}"
         check_engine(engine, self.device, low_memory)
+        if piece_atoms is not None and (
+            isinstance(piece_atoms, bool) or not isinstance(piece_atoms, int) or piece_atoms < 0
+        ):
+            raise ValueError(f"piece_atoms is a number of atoms (0: never evaluate in pieces), not {piece_atoms!r}")
         if compile and self.device.type == "cuda" and (problem := triton_build_problem()) is not None:
             raise RuntimeError(f"compile=True needs Triton, which cannot build its GPU launchers here: {problem}")
         self.emulate = emulate
@@ -232,6 +243,7 @@ class TCPETCalculator(Calculator):
             check_every=self.check_accuracy,
             packed=ours,
             heads=heads,
+            piece_atoms=piece_atoms,
         )
         if isinstance(model, torch.nn.Module):
             self.model_name = self.pet.metadata.name or type(model).__name__
