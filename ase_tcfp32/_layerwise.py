@@ -185,7 +185,7 @@ class _Pieces(torch.autograd.Function):
             del out, edges
             for k in reversed(range(len(layers))):
                 layer = _inner(layers[k])
-                nodes, edges = ctx.kept[k]
+                (nodes, edges), ctx.kept[k] = ctx.kept[k], None  # freed once this layer is done
                 if edges is None:
                     edges = backend.edge_embedder(packed.neighbor_species)
                 if k + 1 < len(layers):  # this layer's combination, backward: dE/do from dE/d(next messages)
