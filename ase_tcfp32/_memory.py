@@ -35,7 +35,7 @@ def bytes_per_atom(pet: torch.nn.Module, low_memory: bool) -> float:
     return PER_ATOM[shape][bool(low_memory)] * size / (shape[0] * shape[1] * shape[2])
 
 
-PIECE_SHARE = 0.08
+PIECE_SHARE = 0.04
 """The share of a GPU's memory that one piece's activations may take when a system is
 evaluated in pieces (:mod:`ase_tcfp32._layerwise`): the rest holds the whole system's
 per-row tensors."""
@@ -57,6 +57,11 @@ def pieces_for(pet: torch.nn.Module, device: torch.device, piece_atoms: int | No
     return Pieces(largest_system(pet, memory, low_memory), max(1024, int(PIECE_SHARE * memory / per_layer)))
 
 
+PIECES = 0.400e6 / 1.611e6
+"""Peak bytes per atom of an evaluation in pieces against a whole one's (default settings,
+PET-S shape: 55.3 GB at 138,240 water atoms on an H200, ``python benchmarks/pieces.py``)."""
+
+
 def largest_system(pet: torch.nn.Module, memory: int, low_memory: bool) -> int:
     """About how many atoms of water-like density fit in ``memory`` bytes of a GPU."""
     return int(USABLE * memory / bytes_per_atom(pet, low_memory))
@@ -73,6 +78,8 @@ def out_of_memory_message(pet: torch.nn.Module, atoms: int, memory: int, gpu: st
         else f" With low_memory=True (each GNN layer recomputed in the backward pass) about "
         f"{largest_system(pet, memory, True):,} would."
     )
+    in_pieces = int(USABLE * memory / (PIECES * bytes_per_atom(pet, False)))
+    hint += f" In pieces (piece_atoms, the default past that size) about {in_pieces:,}."
     return (
         f"{atoms:,} atoms did not fit in the {memory / 1e9:.0f} GB of {gpu} with this model (d_pet "
         f"{backend.d_pet}, {len(backend.gnn_layers)} GNN layers). Estimated largest system here: about {fits:,} "

@@ -49,7 +49,7 @@ def test_no_work_log_numbering_in_tracked_files():
 
 def test_results_are_one_file_per_benchmark_and_device_each_naming_its_command():
     files = sorted(RESULTS.rglob("*"))
-    assert len(files) <= 15, f"{len(files)} files in benchmarks/results (at most 15)"
+    assert len(files) <= 20, f"{len(files)} files in benchmarks/results (at most 20: a list a reader scans)"
     for path in files:
         assert path.is_file() and path.suffix == ".json", f"{path.name}: only JSON files, no folders"
         benchmark, device = path.stem.rsplit("_", 1)
