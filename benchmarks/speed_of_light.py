@@ -57,7 +57,7 @@ import argparse
 import statistics
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import _results
 import numpy as np
@@ -486,16 +486,16 @@ class StagedStep:
         )
         return out
 
-    def values(self) -> tuple[dict, dict]:
-        """One pass of the stages in order (no gradients): the last value of every tensor
-        by name (the energies [N, 1] under ``"energies"``) and each stage's inputs by stage name."""
+    def passes(self):
+        """One pass of the stages in order (no gradients), yielding before each stage its
+        ``(name, function, inputs, outputs)`` and the values of its inputs by name; the
+        energies [N, 1] are ``self.energies`` after the last stage."""
         values = {"vectors": self.packed.vectors, "distances": self.packed.distances, "factors": self.packed.factors}
-        found = {}
-        with torch.no_grad():
-            for name, function, ins, outs in self.stages():
-                found[name] = {key: values[key] for key in ins}
-                values.update(function(values))
-        return values, found
+        for stage in self.stages():
+            yield stage, {key: values[key] for key in stage[2]}
+            with torch.no_grad():
+                values.update(stage[1](values))
+        self.energies = values["energies"]
 
 
 def _timer(device: torch.device):
@@ -525,30 +525,32 @@ def _timer(device: torch.device):
 
 def measure_stages(staged: StagedStep, reps: int) -> dict[tuple[str, str], float]:
     """Median ms of each stage's forward and backward, by (name, direction), each run alone
-    from the values of one full pass: forward with the autograd graph recorded (as in the
-    step), backward from it with random output gradients."""
+    on the values of one pass: forward with the autograd graph recorded (as in the step),
+    backward from it with random output gradients."""
     timed = _timer(staged.device)
-    _, found = staged.values()
     measured = {}
     embedded = {"nodes", "messages"}  # embeddings, without a gradient until their first update
-    for name, function, ins, outs in staged.stages():
+    for (name, function, ins, outs), found in staged.passes():
         grads = {key: key not in embedded for key in ins}
-        leaves = {key: found[name][key].detach().requires_grad_(grads[key]) for key in ins}
+        leaves = {key: found[key].detach().requires_grad_(grads[key]) for key in ins}
         with torch.enable_grad():
             measured[(name, "forward")] = timed(lambda: function(leaves), reps)
             if name == "embeddings":
                 continue
-            result = function(leaves)
-            tensors = [result[key] for key in outs if result[key].requires_grad]
-            upstream = [torch.randn_like(t) for t in tensors]
-            wanted = [leaves[key] for key in ins if grads[key]]
-            measured[(name, "backward")] = timed(
-                lambda: torch.autograd.grad(tensors, wanted, upstream, retain_graph=True), reps
-            )
-        if name != "embeddings":
-            embedded -= set(outs)
+            measured[(name, "backward")] = _backward_ms(function, leaves, outs, timed, reps)
+        embedded -= set(outs)
     measured.update(measure_inputs(staged, reps))
     return measured
+
+
+def _backward_ms(function, leaves: dict, outs: list[str], timed, reps: int) -> float:
+    """Median ms of the backward pass of ``function(leaves)`` to its leaves that need a
+    gradient, from random gradients of its outputs ``outs`` (the graph freed on return)."""
+    result = function(leaves)
+    tensors = [result[key] for key in outs if result[key].requires_grad]
+    upstream = [torch.randn_like(t) for t in tensors]
+    wanted = [leaf for leaf in leaves.values() if leaf.requires_grad]
+    return timed(lambda: torch.autograd.grad(tensors, wanted, upstream, retain_graph=True), reps)
 
 
 def measure_inputs(staged: StagedStep, reps: int) -> dict[tuple[str, str], float]:
@@ -700,12 +702,12 @@ def analyse(shape: str, n_atoms: int, precisions: list[str], device: str, reps: 
                 "name": s.name,
                 "kind": s.kind,
                 "direction": s.direction,
-                "gflop": s.tensor_core_flops(precision) / 1e9,
-                "fp32_gflop": s.fp32_flops / 1e9,
-                "gb": s.bytes / 1e9,
-                "floor_ms": s.floor_ms(precision)[0],
+                "gflop": _figure(s.tensor_core_flops(precision) / 1e9),
+                "fp32_gflop": _figure(s.fp32_flops / 1e9),
+                "gb": _figure(s.bytes / 1e9),
+                "floor_ms": _figure(s.floor_ms(precision)[0]),
                 "bound": s.floor_ms(precision)[1],
-                "measured_ms": s.measured_ms,
+                "measured_ms": None if s.measured_ms is None else _figure(s.measured_ms),
             }
             for s in stages
         ]
@@ -716,6 +718,11 @@ def analyse(shape: str, n_atoms: int, precisions: list[str], device: str, reps: 
             calc = None
             torch.cuda.empty_cache()
     return rows
+
+
+def _figure(value: float) -> float:
+    """``value`` to 5 significant figures (the results file's precision)."""
+    return float(f"{value:.5g}")
 
 
 def measure_step(calc, atoms, stages: list[Stage], row: dict, reps: int, replay_us: float | None) -> None:
@@ -729,10 +736,9 @@ def measure_step(calc, atoms, stages: list[Stage], row: dict, reps: int, replay_
         row["profiled"] = "plain launches (the profiler saw no kernels inside the replayed graph)"
     row.update(found)
     staged = StagedStep(calc, atoms)
-    values, _ = staged.values()
-    reference = _packed_energies(staged)
-    row["staged_energy_error"] = float((values["energies"] - reference).abs().max() / reference.abs().max())
     measured = measure_stages(staged, reps)
+    reference = _packed_energies(staged)
+    row["staged_energy_error"] = float((staged.energies - reference).abs().max() / reference.abs().max())
     for stage in stages:
         stage.measured_ms = measured.get((stage.name, stage.direction))
     row["stages_measured_ms"] = sum(s.measured_ms or 0.0 for s in stages)
