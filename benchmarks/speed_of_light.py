@@ -672,14 +672,24 @@ def graph_replay_us(kernels: int = 1000, replays: int = 20) -> float:
 # ----- one configuration, the table, the results file --------------------------------------
 
 
-def analyse(shape: str, n_atoms: int, precisions: list[str], device: str, reps: int, replay_us: float | None) -> list:
-    """The rows of one model shape and water box: one per precision (on a CPU, floors only,
-    from one calculator's neighbors)."""
+def analyse(
+    shape: str,
+    n_atoms: int,
+    precisions: list[str],
+    device: str,
+    reps: int,
+    replay_us: float | None,
+    measure: bool | None = None,
+) -> list:
+    """The rows of one model shape and water box: one per precision; with ``measure``
+    (default: on CUDA) the measured side too (:func:`measure_step`). A CPU computes with
+    fp32 (one calculator's neighbors for every precision's floors)."""
+    measure = device == "cuda" if measure is None else measure
     atoms = water_box(n_atoms // 3, seed=0)
     rows = []
     calc = None
     for precision in precisions:
-        if calc is None or device == "cuda":
+        if calc is None or measure:
             calc = make_calculator(shape, precision, atoms, device)
             counts, candidates = neighbors(calc, atoms)
         stages = model_stages(calc.pet, counts, candidates)
@@ -695,7 +705,7 @@ def analyse(shape: str, n_atoms: int, precisions: list[str], device: str, reps: 
             "peaks": dict(PEAKS),
             **totals(stages, precision),
         }
-        if device == "cuda":
+        if measure:
             measure_step(calc, atoms, stages, row, reps, replay_us)
         row["stages"] = [
             {
@@ -726,15 +736,17 @@ def _figure(value: float) -> float:
 
 
 def measure_step(calc, atoms, stages: list[Stage], row: dict, reps: int, replay_us: float | None) -> None:
-    """The measured side of ``row``: the step, its kernels, each stage alone, the launch floor."""
+    """The measured side of ``row``: the step, its kernels (on CUDA), each stage alone, the
+    launch floor (with ``replay_us``, the cost of one kernel of a replayed graph)."""
     row["step_ms"] = statistics.median(step_times(calc, atoms, reps))
-    found = profile(calc, atoms)
-    row["profiled"] = "as run (graph replay)" if calc._engine.cuda_graphs else "as run (plain launches)"
-    if calc._engine.cuda_graphs and found["kernels_per_step"] < 20:  # the profiler saw no kernels in the graph
-        plain = make_calculator(row["model"].split("-")[-1], row["precision"], atoms, "cuda", engine="lean")
-        found = profile(plain, atoms)
-        row["profiled"] = "plain launches (the profiler saw no kernels inside the replayed graph)"
-    row.update(found)
+    if calc.device.type == "cuda":
+        found = profile(calc, atoms)
+        row["profiled"] = "as run (graph replay)" if calc._engine.cuda_graphs else "as run (plain launches)"
+        if calc._engine.cuda_graphs and found["kernels_per_step"] < 20:  # the profiler saw no kernels in the graph
+            plain = make_calculator(row["model"].split("-")[-1], row["precision"], atoms, "cuda", engine="lean")
+            found = profile(plain, atoms)
+            row["profiled"] = "plain launches (the profiler saw no kernels inside the replayed graph)"
+        row.update(found)
     staged = StagedStep(calc, atoms)
     measured = measure_stages(staged, reps)
     reference = _packed_energies(staged)
@@ -742,7 +754,7 @@ def measure_step(calc, atoms, stages: list[Stage], row: dict, reps: int, replay_
     for stage in stages:
         stage.measured_ms = measured.get((stage.name, stage.direction))
     row["stages_measured_ms"] = sum(s.measured_ms or 0.0 for s in stages)
-    if replay_us is not None:
+    if replay_us is not None and "kernels_per_step" in row:
         row["graph_replay_us"] = replay_us
         row["launch_floor_ms"] = row["kernels_per_step"] * replay_us / 1e3
 
@@ -805,14 +817,16 @@ def show(row: dict) -> None:
     if "step_ms" in row:
         floor = max(row["stage_floor_ms"], row.get("launch_floor_ms", 0.0))
         print(
-            f"measured: step {row['step_ms']:.2f} ms ({row['step_ms'] / floor:.1f}x the floor {floor:.2f} ms), "
-            f"GPU busy {row['gpu_busy_ms']:.2f} ms, {row['kernels_per_step']:.0f} kernels per step "
-            f"(profiled {row['profiled']}); stages alone {row['stages_measured_ms']:.2f} ms; staged energies "
-            f"vs the package's: {row['staged_energy_error']:.1e} relative"
+            f"measured: step {row['step_ms']:.2f} ms ({row['step_ms'] / floor:.1f}x the floor {floor:.2f} ms); "
+            f"stages alone {row['stages_measured_ms']:.2f} ms; staged energies vs the package's: "
+            f"{row['staged_energy_error']:.1e} relative"
         )
-        print(
-            "kernels by category (ms per step): " + ", ".join(f"{k} {v:.2f}" for k, v in row["categories_ms"].items())
-        )
+        if "gpu_busy_ms" in row:
+            print(
+                f"GPU busy {row['gpu_busy_ms']:.2f} ms, {row['kernels_per_step']:.0f} kernels per step (profiled "
+                f"{row['profiled']}); by category (ms per step): "
+                + ", ".join(f"{k} {v:.2f}" for k, v in row["categories_ms"].items())
+            )
         print(
             "furthest above their floors: "
             + "; ".join(
