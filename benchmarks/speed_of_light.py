@@ -57,7 +57,7 @@ import argparse
 import statistics
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import _results
 import numpy as np
@@ -116,7 +116,6 @@ class Stage:
     attention_flops: float = 0.0  # QK^T and PV (and their gradients), one product each
     attention_tf32_flops: float = 0.0  # the same as the kernels run them: TF32 products
     bytes: float = 0.0  # through HBM at least
-    gemms: list = field(default_factory=list)  # (layer, M, K, N)
     measured_ms: float | None = None
 
     def tensor_core_flops(self, precision: str) -> float:
@@ -139,7 +138,7 @@ def _stage_pair(name, kind, linears, inputs, outputs, attention=None, backward=T
     """The forward and backward :class:`Stage` of a stage that runs ``linears`` [(module,
     rows, input needs a gradient)], reads ``inputs`` [(bytes, gradient bytes written
     backward)] and writes ``outputs`` [(bytes, its gradient read backward)]; ``attention``:
-    (one-product forward FLOPs, sum over sequences of T², model width) of its attention."""
+    (sum over its sequences of T², model width) of its attention."""
     forward, back = Stage(name, kind, "forward"), Stage(name, kind, "backward")
     for module, rows, grad in linears:
         k, n = module.in_features, module.out_features
@@ -154,7 +153,6 @@ def _stage_pair(name, kind, linears, inputs, outputs, attention=None, backward=T
             else:
                 stage.gemm_flops += flops
             stage.bytes += weight
-            stage.gemms.append((getattr(module, "name", "") or type(module).__name__, rows, k, n))
     forward.bytes += sum(b for b, _ in inputs) + sum(b for b, _ in outputs)
     back.bytes += sum(b for b, _ in inputs) + sum(g for _, g in inputs) + sum(g for _, g in outputs)
     if attention is not None:
@@ -168,11 +166,11 @@ def _stage_pair(name, kind, linears, inputs, outputs, attention=None, backward=T
 
 
 class _Folded:
-    """The folded compression's products as Linear shapes (``ase_tcfp32._folded``): the
-    messages (d -> d) and the geometry ([v, |v|], 4 -> d, FP32)."""
+    """A product of the folded compression as a Linear shape (``ase_tcfp32._folded``): the
+    messages (d -> d) or the geometry ([v, |v|], 4 -> d, FP32)."""
 
-    def __init__(self, in_features: int, out_features: int, name: str):
-        self.in_features, self.out_features, self.name = in_features, out_features, name
+    def __init__(self, in_features: int, out_features: int):
+        self.in_features, self.out_features = in_features, out_features
 
 
 def check_supported(pet: torch.nn.Module) -> None:
@@ -213,16 +211,14 @@ def model_stages(pet: torch.nn.Module, counts: torch.Tensor, candidates: int, ro
     stages += inputs[:1] + embeddings
     backward = [inputs[1]]
     edge, node = e * d * FLOAT, n * d * FLOAT
-    for number, (gnn, norm, mlp) in enumerate(
-        zip(backend.gnn_layers, backend.combination_norms, backend.combination_mlps, strict=True)
-    ):
+    for number, (gnn, mlp) in enumerate(zip(backend.gnn_layers, backend.combination_mlps, strict=True)):
         gnn, prefix, later = _inner(gnn), f"GNN {number + 1}", number > 0
         pair = _stage_pair(
             f"{prefix} · compression",
             "compression",
             [
-                (_Folded(d, d, "compression (messages)"), e, later),
-                (_Folded(4, d, "compression (geometry)"), e, True),
+                (_Folded(d, d), e, later),
+                (_Folded(4, d), e, True),
                 (gnn.compress[2], e, True),
             ],
             [(edge, edge if later else 0), (e * 5 * FLOAT, e * 4 * FLOAT)],
@@ -292,7 +288,6 @@ def model_stages(pet: torch.nn.Module, counts: torch.Tensor, candidates: int, ro
                 [(edge, edge)],
             )
         )
-        del norm  # its arithmetic is elementwise: bytes only, counted with the stage's
         for pair in layer_stages:
             stages.append(pair[0])
             backward.append(pair[1])
