@@ -1,6 +1,6 @@
-"""The figure tables of docs/performance.md, written from benchmarks/results.
+"""The figure tables of docs/performance.md and docs/speed_of_light.md, written from benchmarks/results.
 
-    python benchmarks/report.py            # rewrite the tables in docs/performance.md
+    python benchmarks/report.py            # rewrite the tables in the pages
     python benchmarks/report.py --check    # exit 1 if a table differs from its results file
 
 Each table sits between ``<!-- report:NAME -->`` and ``<!-- /report:NAME -->`` in the page
@@ -19,6 +19,7 @@ from pathlib import Path
 import _results
 
 PAGE = Path(__file__).parents[1] / "docs" / "performance.md"
+FLOORS_PAGE = PAGE.parent / "speed_of_light.md"
 
 METHODS = {
     "gluon_fp16x3": "fp16x3",
@@ -337,27 +338,129 @@ TABLES = {
 }
 
 
-def render(text: str) -> str:
-    """``text`` with every marked table rewritten from the results files."""
-    for name, make in TABLES.items():
+def floors_data() -> dict:
+    """speed_of_light's results: the H200's (floors and measurements) where they exist,
+    else the floors computed on a CPU."""
+    name = "speed_of_light_h200" if (_results.RESULTS / "speed_of_light_h200.json").exists() else "speed_of_light_cpu"
+    return _results.read(name)
+
+
+def floor_ms(ms: float | None) -> str:
+    """A floor or a measured time: 3 decimals under 1 ms, 2 under 10, 1 above; "" for none."""
+    if ms is None:
+        return ""
+    return f"{ms:.3f}" if ms < 1 else milliseconds(ms)
+
+
+def computed(data: dict) -> str:
+    """:func:`measured`, or for floors computed without a GPU what was computed, when, and how."""
+    if data["device"] != "cpu":
+        return measured(data)
+    dates = sorted({run["date"] for run in data["runs"]})
+    lines = [
+        f"Floors only, computed on a CPU (no GPU measurement), {' to '.join(dict.fromkeys([dates[0], dates[-1]]))}:"
+    ]
+    return "\n".join(lines + [""] + [f"    {run['command']}" for run in data["runs"]])
+
+
+def speed_of_light() -> str:
+    data = floors_data()
+    out = []
+    for r in data["rows"]:
+        launch = r.get("launch_floor_ms")
+        floor = max(r["stage_floor_ms"], launch or 0.0)
+        out.append(
+            [
+                shape(r["model"]),
+                f"{r['atoms']:,}",
+                r["precision"],
+                f"{r['mean_neighbors']:.1f}",
+                floor_ms(r["tensor_core_floor_ms"]),
+                floor_ms(r["memory_floor_ms"]),
+                floor_ms(r["stage_floor_ms"]),
+                floor_ms(launch) or "not measured",
+                floor_ms(r.get("step_ms")) or "not measured",
+                f"{r['step_ms'] / floor:.1f}x" if "step_ms" in r else "",
+            ]
+        )
+    head = [
+        "model shape",
+        "atoms",
+        "precision",
+        "kept neighbors per atom",
+        "tensor-core floor (ms)",
+        "memory floor (ms)",
+        "sum of stage floors (ms)",
+        "launch floor (ms)",
+        "measured step (ms)",
+        "step / floor",
+    ]
+    return table(head, out) + "\n\n" + computed(data)
+
+
+def speed_of_light_stages() -> str:
+    data = floors_data()
+    parts = []
+    for r in data["rows"]:
+        if r["precision"] != "fp16x3":
+            continue
+        out = [
+            [
+                k["stage"],
+                k["direction"],
+                f"{k['gflop']:.1f}" if k["gflop"] >= 10 else f"{k['gflop']:.2f}",
+                f"{k['gb']:.2f}" if k["gb"] >= 0.1 else f"{k['gb']:.3f}",
+                floor_ms(k["floor_ms"]),
+                floor_ms(k.get("measured_ms")),
+                f"{k['measured_ms'] / k['floor_ms']:.1f}x" if "measured_ms" in k else "",
+            ]
+            for k in r["kinds"]
+        ]
+        head = ["stage", "pass", "GFLOP (tensor cores)", "GB moved", "floor (ms)", "measured (ms)", "measured / floor"]
+        title = f"**{shape(r['model'])}, {r['atoms']:,} atoms, {r['precision']}**"
+        above = sorted((k for k in r["kinds"] if "measured_ms" in k), key=lambda k: k["floor_ms"] - k["measured_ms"])
+        note = (
+            "\n\nFurthest above their floors: "
+            + "; ".join(
+                f"{k['stage']}, {k['direction']} (+{floor_ms(k['measured_ms'] - k['floor_ms'])} ms)" for k in above[:3]
+            )
+            + "."
+            if above
+            else ""
+        )
+        parts.append(title + "\n\n" + table(head, out) + note)
+    return "\n\n".join(parts) + "\n\n" + computed(data)
+
+
+PAGES = {
+    PAGE: TABLES,
+    FLOORS_PAGE: {"speed_of_light": speed_of_light, "speed_of_light_stages": speed_of_light_stages},
+}
+"""Each page and the tables it holds."""
+
+
+def render(text: str, tables: dict = TABLES, page: Path = PAGE) -> str:
+    """``text`` (of ``page``) with every marked table of ``tables`` rewritten from the results files."""
+    for name, make in tables.items():
         pattern = re.compile(rf"(<!-- report:{name} -->\n)(?:.*?\n)?(<!-- /report:{name} -->)", re.S)
         if not pattern.search(text):
-            raise ValueError(f"{PAGE.name} has no <!-- report:{name} --> block")
+            raise ValueError(f"{page.name} has no <!-- report:{name} --> block")
         text = pattern.sub(lambda m: m.group(1) + make() + "\n" + m.group(2), text)
     return text
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the page's tables differ from the results")
+    parser.add_argument("--check", action="store_true", help="exit 1 if the pages' tables differ from the results")
     args = parser.parse_args()
-    text = PAGE.read_text()
-    new = render(text)
-    if args.check:
-        if new != text:
-            sys.exit(f"{PAGE} differs from benchmarks/results: run python benchmarks/report.py")
-        return
-    PAGE.write_text(new)
+    for page, tables in PAGES.items():
+        text = page.read_text()
+        new = render(text, tables, page)
+        if args.check:
+            if new != text:
+                sys.exit(f"{page} differs from benchmarks/results: run python benchmarks/report.py")
+            continue
+        page.write_text(new)
 
 
 if __name__ == "__main__":

@@ -80,17 +80,19 @@ def test_results_files_named_in_tracked_files_exist():
     assert not missing, "\n".join(missing)
 
 
-def test_performance_page_tables_are_the_results_files():
-    text = report.PAGE.read_text()
-    assert report.render(text) == text, (
-        "docs/performance.md differs from benchmarks/results: run python benchmarks/report.py"
+@pytest.mark.parametrize("page", report.PAGES, ids=lambda page: page.name)
+def test_pages_tables_are_the_results_files(page):
+    text = page.read_text()
+    assert report.render(text, report.PAGES[page], page) == text, (
+        f"docs/{page.name} differs from benchmarks/results: run python benchmarks/report.py"
     )
     assert len(text.splitlines()) < 300
 
 
-def test_performance_page_figures_outside_the_tables_are_in_them():
-    """Every 'N ms' and 'N.NNx' written by hand on the page is a figure of a generated table."""
-    text = report.PAGE.read_text()
+@pytest.mark.parametrize("page", report.PAGES, ids=lambda page: page.name)
+def test_pages_figures_outside_the_tables_are_in_them(page):
+    """Every 'N ms' and 'N.NNx' written by hand on a page is a figure of a generated table."""
+    text = page.read_text()
     generated = "\n".join(re.findall(r"<!-- report:\w+ -->\n(.*?)<!-- /report", text, re.S))
     prose = re.sub(r"<!-- report:\w+ -->\n.*?<!-- /report:\w+ -->", "", text, flags=re.S)
     for figure in re.findall(r"\b(\d+\.\d+) ms\b", prose):
