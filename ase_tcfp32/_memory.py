@@ -57,9 +57,10 @@ def pieces_for(pet: torch.nn.Module, device: torch.device, piece_atoms: int | No
     return Pieces(largest_system(pet, memory, low_memory), max(1024, int(PIECE_SHARE * memory / per_layer)))
 
 
-PIECES = 0.400e6 / 1.611e6
+PIECES = 0.344e6 / 1.611e6
 """Peak bytes per atom of an evaluation in pieces against a whole one's (default settings,
-PET-S shape: 55.3 GB at 138,240 water atoms on an H200, ``python benchmarks/pieces.py``)."""
+PET-S shape: 107.0 GB at 311,040 water atoms on an H200, which 466,560 did not fit in;
+``python benchmarks/pieces.py``)."""
 
 
 def largest_system(pet: torch.nn.Module, memory: int, low_memory: bool) -> int:
