@@ -24,8 +24,11 @@ memory between them:
 At the peak (the top layer's backward) the system holds its kept rows [R, d] five times
 over for three GNN layers (PET-S: d = 256; water keeps ~30 rows per atom: ~150 KB per
 atom) plus its candidate pairs; the pieces' own activations are bounded by their size.
-The price is one more forward pass of each layer but the top one (a whole evaluation runs
-each layer forward once and backward once). Results are the whole evaluation's to
+The price: every layer runs forward once more, with gradients, in the backward pass, and
+each layer below the top one a third time for its outputs (a whole evaluation runs each
+layer forward once and backward once); where memory allows (:class:`Pieces`' ``keep``),
+those outputs are kept from the forward pass instead (two more per-pair tensors with three
+GNN layers). Results are the whole evaluation's to
 rounding: the same modules on the same rows, summed in another order
 (``tests/test_layerwise.py``).
 """
@@ -45,10 +48,13 @@ from ._packed import predictions as _packed_predictions
 
 class Pieces(NamedTuple):
     """When and how to evaluate in pieces: systems of more than ``above`` atoms, in pieces
-    of at most ``atoms`` atoms."""
+    of at most ``atoms`` atoms; systems of up to ``keep`` atoms keep each layer's output
+    messages for the backward pass (two more per-pair tensors with three GNN layers, and
+    two forward passes of layers fewer)."""
 
     above: int
     atoms: int
+    keep: int = 0
 
 
 class Piece(NamedTuple):
@@ -119,15 +125,16 @@ class _Pieces(torch.autograd.Function):
     distances and cutoff factors), through the first target only."""
 
     @staticmethod
-    def forward(ctx, vectors, distances, factors, backend, packed: Packed, names, plan, features):
+    def forward(ctx, vectors, distances, factors, backend, packed: Packed, names, plan, features, keep):
         packed = packed._replace(vectors=vectors, distances=distances, factors=factors)
         norms, mlps, layers = backend.combination_norms, backend.combination_mlps, backend.gnn_layers
         nodes = backend.node_embedders[0](packed.species)
         edges = backend.edge_embedder(packed.neighbor_species)
-        kept = []  # each layer's inputs (nodes, messages); the first layer's messages recomputed
+        kept = []  # each layer's inputs (nodes, messages; the first layer's recomputed) and, with keep, outputs
         for k, layer in enumerate(layers):
-            kept.append((nodes, edges if k else None))
+            inputs = (nodes, edges if k else None)
             nodes, out = _layer(_inner(layer), nodes, edges, packed, plan)
+            kept.append((*inputs, out if keep and k + 1 < len(layers) else None))
             if k + 1 < len(layers):
                 following = torch.empty_like(edges)
                 for piece in plan:
@@ -185,12 +192,13 @@ class _Pieces(torch.autograd.Function):
             del out, edges
             for k in reversed(range(len(layers))):
                 layer = _inner(layers[k])
-                (nodes, edges), ctx.kept[k] = ctx.kept[k], None  # freed once this layer is done
+                (nodes, edges, out), ctx.kept[k] = ctx.kept[k], None  # freed once this layer is done
                 if edges is None:
                     edges = backend.edge_embedder(packed.neighbor_species)
                 if k + 1 < len(layers):  # this layer's combination, backward: dE/do from dE/d(next messages)
-                    with torch.no_grad():
-                        out = _layer(layer, nodes, edges, packed, plan)[1]
+                    if out is None:
+                        with torch.no_grad():
+                            out = _layer(layer, nodes, edges, packed, plan)[1]
                     grad_out.zero_()
                     for piece in plan:
                         r0, r1 = piece.first, piece.last
@@ -221,7 +229,7 @@ class _Pieces(torch.autograd.Function):
                         grad_edges[r0:r1] += grads[4]
                 grad_nodes = grad_below
         ctx.kept = None
-        return (*geometry, None, None, None, None, None)
+        return (*geometry, None, None, None, None, None, None)
 
 
 def predictions(
@@ -235,7 +243,8 @@ def predictions(
         return _packed_predictions(backend, packed, names, features)
     total = int(packed.sequences.total)
     plan = pieces(packed.sequences.first.cpu().numpy(), total, policy.atoms)
+    keep = packed.species.shape[0] <= policy.keep
     outputs = _Pieces.apply(
-        packed.vectors, packed.distances, packed.factors, backend, packed, list(names), plan, features
+        packed.vectors, packed.distances, packed.factors, backend, packed, list(names), plan, features, keep
     )
     return list(outputs[: len(names)]), (outputs[-1] if features else None)

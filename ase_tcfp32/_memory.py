@@ -45,22 +45,39 @@ def pieces_for(pet: torch.nn.Module, device: torch.device, piece_atoms: int | No
     """When to evaluate a system in pieces (:class:`ase_tcfp32._layerwise.Pieces`, or None:
     never): ``piece_atoms`` > 0, systems of more atoms than that in pieces of that many; 0,
     never; None, on a GPU, systems larger than fit whole (:func:`largest_system`) in pieces
-    whose one GNN layer's activations take :data:`PIECE_SHARE` of its memory (on a CPU, never)."""
+    whose one GNN layer's activations take :data:`PIECE_SHARE` of its memory (on a CPU,
+    never). On a GPU, systems of up to :data:`KEEP` of the largest that fits in pieces keep
+    each layer's outputs (faster)."""
     from ._layerwise import Pieces
 
-    if piece_atoms is not None:
-        return Pieces(piece_atoms, piece_atoms) if piece_atoms else None
-    if device.type != "cuda":
+    if piece_atoms == 0 or (piece_atoms is None and device.type != "cuda"):
         return None
+    if device.type != "cuda":
+        return Pieces(piece_atoms, piece_atoms)
     memory = torch.cuda.get_device_properties(device).total_memory
+    keep = int(KEEP * largest_in_pieces(pet, memory))
+    if piece_atoms is not None:
+        return Pieces(piece_atoms, piece_atoms, keep)
     per_layer = bytes_per_atom(pet, False) / len(pet.backend.gnn_layers)
-    return Pieces(largest_system(pet, memory, low_memory), max(1024, int(PIECE_SHARE * memory / per_layer)))
+    size = max(1024, int(PIECE_SHARE * memory / per_layer))
+    return Pieces(largest_system(pet, memory, low_memory), size, keep)
 
 
 PIECES = 0.344e6 / 1.611e6
 """Peak bytes per atom of an evaluation in pieces against a whole one's (default settings,
 PET-S shape: 107.0 GB at 311,040 water atoms on an H200, which 466,560 did not fit in;
 ``python benchmarks/pieces.py``)."""
+
+
+KEEP = 0.8
+"""The share of the largest system that fits in pieces up to which each layer's outputs are
+kept (two more per-pair tensors with three GNN layers against the five at the peak and
+the pairs)."""
+
+
+def largest_in_pieces(pet: torch.nn.Module, memory: int) -> int:
+    """About how many atoms of water-like density fit in ``memory`` bytes of a GPU in pieces."""
+    return int(USABLE * memory / (PIECES * bytes_per_atom(pet, False)))
 
 
 def largest_system(pet: torch.nn.Module, memory: int, low_memory: bool) -> int:
@@ -79,8 +96,7 @@ def out_of_memory_message(pet: torch.nn.Module, atoms: int, memory: int, gpu: st
         else f" With low_memory=True (each GNN layer recomputed in the backward pass) about "
         f"{largest_system(pet, memory, True):,} would."
     )
-    in_pieces = int(USABLE * memory / (PIECES * bytes_per_atom(pet, False)))
-    hint += f" In pieces (piece_atoms, the default past that size) about {in_pieces:,}."
+    hint += f" In pieces (piece_atoms, the default past that size) about {largest_in_pieces(pet, memory):,}."
     return (
         f"{atoms:,} atoms did not fit in the {memory / 1e9:.0f} GB of {gpu} with this model (d_pet "
         f"{backend.d_pet}, {len(backend.gnn_layers)} GNN layers). Estimated largest system here: about {fits:,} "

@@ -10,7 +10,7 @@ through the default calculator (which evaluates systems too large to fit whole i
 one GNN layer at a time: ``ase_tcfp32._layerwise``). Per size: the mean time of an MD step
 (energy + forces + stress after displacing every atom by ~0.005 Å, the neighbor list
 reused) over ``--steps`` steps after one warm-up step, the peak memory, the pieces' size,
-and the cost per atom against the 17,280-atom step of the same run. ``--compare`` also
+whether each layer's outputs were kept, and the cost per atom against the 17,280-atom step of the same run. ``--compare`` also
 evaluates one box that fits whole both ways (whole, and in pieces of the automatic size)
 and records the time ratio and the largest force difference.
 """
@@ -102,6 +102,7 @@ def main() -> None:
         difference = np.abs(results["whole"]["forces"] - results["compared in pieces"]["forces"]).max()
         row = {"model": f"random-{args.model}", "precision": rows[0]["precision"], "atoms": len(atoms)}
         row.update(mode="compared", s=results["compared in pieces"]["s"], whole_s=results["whole"]["s"])
+        row.update(outputs_kept=len(atoms) <= pieces.keep)
         row.update(time_ratio=row["s"] / row["whole_s"], max_force_difference=float(difference))
         row.update(force_scale=float(np.abs(results["whole"]["forces"]).max()))
         rows.append(row)
@@ -119,6 +120,7 @@ def main() -> None:
         pieces = calc._engine.pieces
         row = {"model": f"random-{args.model}", "precision": rows[0]["precision"], "atoms": len(atoms)}
         row.update(mode="pieces" if len(atoms) > pieces.above else "whole", piece_atoms=pieces.atoms)
+        row.update(outputs_kept=len(atoms) <= pieces.keep)
         row.update(s=measured["s"], first_s=measured["first_s"], peak_GB=measured["peak_GB"])
         row.update(us_per_atom=1e6 * measured["s"] / len(atoms))
         row.update(per_atom_ratio=measured["s"] / len(atoms) / per_atom)

@@ -46,14 +46,14 @@ def test_plan_covers_every_atom_and_row_once():
     assert pieces(first, 10, 4)[-1] == (4, 6, 10, 10)
 
 
-@pytest.mark.parametrize("atoms_per_piece", [1, 7, 40])
-def test_pieces_give_the_whole_evaluation(pet64, water, pt_bulk, ethanol, atoms_per_piece):
-    """Pieces of one atom, of a few, and pieces across structures of a batch: every
-    output (energies, forces, stress, direct heads, last-layer features) to float64
-    rounding."""
+@pytest.mark.parametrize("atoms_per_piece, keep", [(1, 0), (7, 0), (7, 1000), (40, 1000)])
+def test_pieces_give_the_whole_evaluation(pet64, water, pt_bulk, ethanol, atoms_per_piece, keep):
+    """Pieces of one atom, of a few, and pieces across structures of a batch, each layer's
+    outputs recomputed or kept: every output (energies, forces, stress, direct heads,
+    last-layer features) to float64 rounding."""
     structures = [water, pt_bulk, ethanol]
     whole = LeanPET(pet64, torch.device("cpu"), packed=True).compute(structures, WANTED)
-    lean = LeanPET(pet64, torch.device("cpu"), packed=True, pieces=Pieces(0, atoms_per_piece))
+    lean = LeanPET(pet64, torch.device("cpu"), packed=True, pieces=Pieces(0, atoms_per_piece, keep))
     for a, b in zip(whole, lean.compute(structures, WANTED), strict=True):
         _assert_close(a, b, 1e3 * EPS64)
 
