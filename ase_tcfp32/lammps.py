@@ -112,9 +112,8 @@ def write_inputs(
     :param timestep: fs.
     :param ensemble: ``"nve"``, ``"nvt"`` (Nosé-Hoover, 100 fs damping) or ``"npt"``
         (isotropic, 1 ps barostat damping, at ``pressure`` bar).
-    :param temperature: K: with it, velocities are drawn at 2x it (``velocity create``;
-        half goes into the potential energy) unless ``atoms`` has momenta; ``"nvt"`` and
-        ``"npt"`` need it.
+    :param temperature: K: with it, velocities are drawn at it (``velocity create``) unless
+        ``atoms`` has momenta; ``"nvt"`` and ``"npt"`` need it.
     :param dump: write positions to ``{name}.lammpstrj`` every this many steps (0: never).
     """
     from ase.io.lammpsdata import write_lammps_data
@@ -159,7 +158,7 @@ def write_inputs(
         f"timestep {timestep / 1000:g}",
     ]
     if temperature is not None and not moving:
-        lines.append(f"velocity all create {2 * temperature:g} {seed} dist gaussian mom yes")
+        lines.append(f"velocity all create {temperature:g} {seed} dist gaussian mom yes")
     thermostat = f"temp {temperature:g} {temperature:g} 0.1" if temperature is not None else ""
     barostat = f" iso {pressure:g} {pressure:g} 1.0" if ensemble == "npt" else ""
     lines.append("fix md all nve" if ensemble == "nve" else f"fix md all {ensemble} {thermostat}{barostat}")
