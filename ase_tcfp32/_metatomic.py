@@ -94,13 +94,14 @@ class MetatomicEngine:
         ``forces`` [n, 3] (eV/Å) and strain derivative over the volume, ``stress`` [3, 3] (eV/Å³,
         3D-periodic ``atoms``): the exported model's per-atom energies, differentiated here."""
         from metatomic.torch import ModelEvaluationOptions, ModelOutput, System, pick_output
-        from vesin.metatomic import neighbor_lists_for_model
+
+        from ._neighbors import model_neighbor_lists
 
         model = self.model
         if model.requested_inputs():
             raise ValueError(f"weighted energies need a model without extra inputs ({list(model.requested_inputs())})")
         if self._neighbor_lists is None:
-            self._neighbor_lists = neighbor_lists_for_model("angstrom", model, skin=self.skin)
+            self._neighbor_lists = model_neighbor_lists(model, self.skin)
         key = pick_output("energy", model.capabilities().outputs, (self.variants or {}).get("energy"))
         parameter = next(model.parameters())
         grad = "forces" in properties or "stress" in properties
@@ -122,7 +123,7 @@ class MetatomicEngine:
             energies = energies.index_add(0, block.samples.column("atom"), block.values[:, 0].double())
             energy = (energies * torch.from_numpy(weights).to(energies)).sum()
             gradients = torch.autograd.grad(energy, [positions, strain] if stress else [positions]) if grad else []
-        result = {"energy": float(energy), "energies": energies.detach().cpu().numpy()}
+        result = {"energy": float(energy.detach()), "energies": energies.detach().cpu().numpy()}
         if grad:
             result["forces"] = -gradients[0].double().cpu().numpy()
         if stress:
