@@ -37,13 +37,18 @@ uncertainty: :class:`ase_tcfp32._heads.LLPR`)."""
 class Engine(Protocol):
     """What the calculator asks of an engine."""
 
-    def compute(self, structures: list[Atoms], properties: Collection[str]) -> list[dict]:
+    def compute(self, structures: list[Atoms], properties: Collection[str], weights: list | None = None) -> list[dict]:
         """Per structure, float64 results in ASE units: ``energy`` (eV) and ``energies``
         [n] (eV); ``forces`` [n, 3] (eV/Å) when ``"forces"`` or ``"stress"`` is among
         ``properties`` (an energy-only call runs no backward pass); ``stress`` [3, 3]
         (eV/Å³, positive under tension) of each 3D-periodic structure when ``"stress"`` is;
         and, when asked (:data:`DIRECT`), the direct heads' ``non_conservative_forces``
-        [n, 3] and ``non_conservative_stress`` [3, 3] (3D-periodic structures)."""
+        [n, 3] and ``non_conservative_stress`` [3, 3] (3D-periodic structures).
+
+        ``weights``, one array [n] per structure, makes ``energy`` the weighted sum of the
+        per-atom energies and ``forces`` and ``stress`` its derivatives (``energies`` stay
+        unweighted): a domain's owned atoms weighted 1 and its halo 0
+        (:mod:`ase_tcfp32.lammps`)."""
 
 
 ENGINES = ("auto", "metatomic", "lean", "graphs")

@@ -281,24 +281,24 @@ class LeanPET:
         cells: torch.Tensor,
         numbers: torch.Tensor,
         system: torch.Tensor,
+        weights: torch.Tensor,
         grad: bool,
         stress: bool,
         direct: tuple[str, ...],
         features: bool = False,
     ) -> dict:
-        """One evaluation on the device, as tensors: per-structure energies [S], per-atom
-        energies [N]; with ``grad`` the forces [N, 3] (and with ``stress`` each structure's
-        strain derivative [S, 3, 3]) from one backward pass of the summed energy (the
-        structures are independent); the ``direct`` heads' forces [N, 3] (net force removed
-        per structure) and stress [S, 3, 3] from the same forward pass."""
+        """One evaluation on the device, as tensors: per-structure energies [S] (sums of the per-atom
+        energies [N] times their ``weights`` [N]); with ``grad`` the forces [N, 3] (with ``stress`` each
+        structure's strain derivative [S, 3, 3]) from one backward pass of those sums; the ``direct``
+        heads' forces [N, 3] (net force removed per structure) and stress [S, 3, 3], same forward pass."""
         positions = positions.detach().requires_grad_(grad)
         with torch.set_grad_enabled(grad):
             vectors = pair_vectors(positions, self.pairs)
             energies, terms, sizes, found = self.predict(vectors, cells, numbers, direct, features)
             if grad:
-                grads = torch.autograd.grad(energies.sum(), [positions, vectors] if stress else [positions])
+                grads = torch.autograd.grad((energies * weights).sum(), [positions, vectors] if stress else [positions])
         count = cells.shape[0]
-        totals = energies.new_zeros(count).index_add_(0, system, energies.detach())
+        totals = energies.new_zeros(count).index_add_(0, system, (energies * weights).detach())
         out = {"energy": totals, "energies": energies.detach(), "sizes": sizes}
         if features:
             out["energy_features"] = found.detach()
@@ -314,14 +314,15 @@ class LeanPET:
 
     # ----- the engine interface -----------------------------------------------------------
 
-    def compute(self, structures: list[Atoms], properties) -> list[dict]:
+    def compute(self, structures: list[Atoms], properties, weights: list | None = None) -> list[dict]:
         """Per structure, as float64 numpy arrays: ``energy`` (eV) and ``energies`` [n]
         (eV) always; ``forces`` [n, 3] (eV/Å) when ``"forces"`` or ``"stress"`` is asked (one
         backward pass; none for an energy-only call); ``stress`` [3, 3] (eV/Å³, ASE sign)
         of each 3D-periodic structure when ``"stress"`` is asked; the direct heads'
         ``non_conservative_forces`` [n, 3] and, for 3D-periodic structures,
-        ``non_conservative_stress`` [3, 3] when asked. All structures in one batched
-        evaluation (same-size copies, like path-integral beads, are the fast case)."""
+        ``non_conservative_stress`` [3, 3] when asked; with ``weights`` ([n] per structure)
+        ``energy``, forces and stress are those of the per-atom energies' weighted sum. One
+        batched evaluation (same-size copies, like path-integral beads, are the fast case)."""
         grad = "forces" in properties or "stress" in properties
         stress = "stress" in properties and any(atoms.pbc.all() for atoms in structures)
         named = ((FORCE, "non_conservative_forces"), (STRESS, "non_conservative_stress"))
@@ -332,6 +333,7 @@ class LeanPET:
         positions = torch.from_numpy(batch.positions).to(self.device, self.dtype)
         cells = torch.from_numpy(batch.cells).to(self.device, self.dtype)
         numbers, system = torch.from_numpy(batch.numbers).to(self.device, torch.long), self.system
+        weights = torch.from_numpy(np.concatenate(weights or [np.ones(len(numbers))])).to(self.device, torch.float64)
         if self.width == 0:  # first call: size the table (or the packed rows) from the neighbor counts
             if self.packed:
                 counts = self.neighbor_counts(structures)
@@ -342,7 +344,7 @@ class LeanPET:
                 with torch.enable_grad():  # the step's grad mode: with compile=True, no second compilation
                     most = int(self.neighbor_table(pair_vectors(positions, self.pairs), numbers, self.columns)[1])
             self._set_width(most + MARGIN)
-        out = self._evaluate(positions, cells, numbers, system, flags)
+        out = self._evaluate(positions, cells, numbers, system, weights, flags)
         most, total = out["sizes"].tolist()
         if most > self.width or total > self.rows:  # an atom outgrew the table, or the pairs the rows: redo the step
             if most > self.width:
@@ -350,7 +352,7 @@ class LeanPET:
                 self.widenings += 1
             if total > self.rows:
                 self._set_rows(total)
-            out = self._evaluate(positions, cells, numbers, system, flags)  # the counts do not depend on the sizes
+            out = self._evaluate(positions, cells, numbers, system, weights, flags)  # same counts, any sizes
         ends = np.cumsum(batch.sizes)[:-1]
         host = {key: value.double().cpu().numpy() for key, value in out.items() if key != "sizes"}
         per_atom = {
@@ -377,21 +379,20 @@ class LeanPET:
         positions = torch.from_numpy(batch.positions).to(self.device, self.dtype)
         return self._kept_pairs(pair_vectors(positions, self.pairs).detach(), positions.shape[0]).counts
 
-    def _evaluate(self, positions, cells, numbers, system, flags: dict) -> dict:
-        """One step (:meth:`_step` with ``flags``): eager, or through the recorded graph
-        (recorded first for these flags if needed)."""
+    def _evaluate(self, positions, cells, numbers, system, weights, flags: dict) -> dict:
+        """One :meth:`_step` with ``flags``: eager, or replaying the graph recorded (once) for them."""
         due = self.check_every and self.evaluations % self.check_every == 0
         self.evaluations += 1
         if not self.cuda_graphs:
-            return self._step(positions, cells, numbers, system, **flags)
+            return self._step(positions, cells, numbers, system, weights, **flags)
         if due:  # the watchdog's turn: the same step, eagerly, every layer checked
             with watchdog.check_all():
-                return self._step(positions, cells, numbers, system, **flags)
+                return self._step(positions, cells, numbers, system, weights, **flags)
         key = tuple(flags.values())
         if key not in self._graphs:  # recorded once per shape for each set of outputs asked
             torch.cuda.synchronize(self.device)
             with progress.doing(f"recording a CUDA graph ({positions.shape[0]} atoms, table width {self.width})"):
                 step = functools.partial(self._step, **flags)
-                self._graphs[key] = Graph(step, (positions, cells, numbers, system), self.device)
+                self._graphs[key] = Graph(step, (positions, cells, numbers, system, weights), self.device)
             self.recordings += 1
-        return self._graphs[key].replay(positions, cells, numbers, system)
+        return self._graphs[key].replay(positions, cells, numbers, system, weights)

@@ -49,16 +49,25 @@ class MetatomicEngine:
 
         self._calculator = calculator
         self.calculator = calculator(False)
+        self.model, self.variants, self.skin = model, variants, skin
+        self._neighbor_lists = None  # vesin's calculators for the weighted path, made when first asked
         self._direct: dict = {}  # non_conservative setting -> its calculator, made when first asked
 
-    def compute(self, structures: list[Atoms], properties) -> list[dict]:
+    def compute(self, structures: list[Atoms], properties, weights: list | None = None) -> list[dict]:
         """Per structure: ``energy`` (eV), ``energies`` [n] (eV; for one structure only when
         asked), ``forces`` [n, 3] (eV/Å) when ``"forces"`` or ``"stress"`` is asked,
         ``stress`` [3, 3] (eV/Å³) of each 3D-periodic structure when ``"stress"`` is asked,
         the direct heads' ``non_conservative_forces`` / ``non_conservative_stress`` and the
         energy head's last-layer ``energy_features`` [n, F] when asked. One structure goes
         through metatomic-ase's ``calculate``, which keeps its
-        neighbor list between calls; several through one batched model call."""
+        neighbor list between calls; several through one batched model call. With
+        ``weights`` ([n] per structure): ``energy``, ``energies``, ``forces`` and ``stress`` of
+        the per-atom energies' weighted sum (:meth:`weighted`)."""
+        if weights is not None:
+            unknown = sorted(set(properties) - {"energy", "energies", "forces", "stress"})
+            if unknown:
+                raise ValueError(f"with weights, the metatomic engine computes no {', '.join(unknown)}")
+            return [self.weighted(atoms, np.asarray(w, float), properties) for atoms, w in zip(structures, weights)]
         grad = "forces" in properties or "stress" in properties
         results = self._run(self.calculator, structures, properties, grad, "stress" in properties)
         if "energy_features" in properties:  # the energy head's last-layer features, per atom
@@ -78,6 +87,48 @@ class MetatomicEngine:
             for result, answer in zip(results, answers):
                 result.update({name: answer[DIRECT[name]] for name in direct if DIRECT[name] in answer})
         return results
+
+    def weighted(self, atoms: Atoms, weights: np.ndarray, properties) -> dict:
+        """``energy`` = sum of ``weights`` [n] times the per-atom ``energies`` [n] (eV) of
+        ``atoms``, and with ``"forces"`` / ``"stress"`` in ``properties`` its negative gradient
+        ``forces`` [n, 3] (eV/Å) and strain derivative over the volume, ``stress`` [3, 3] (eV/Å³,
+        3D-periodic ``atoms``): the exported model's per-atom energies, differentiated here."""
+        from metatomic.torch import ModelEvaluationOptions, ModelOutput, System, pick_output
+
+        from ._neighbors import model_neighbor_lists
+
+        model = self.model
+        if model.requested_inputs():
+            raise ValueError(f"weighted energies need a model without extra inputs ({list(model.requested_inputs())})")
+        if self._neighbor_lists is None:
+            self._neighbor_lists = model_neighbor_lists(model, self.skin)
+        key = pick_output("energy", model.capabilities().outputs, (self.variants or {}).get("energy"))
+        parameter = next(model.parameters())
+        grad = "forces" in properties or "stress" in properties
+        stress = "stress" in properties and bool(atoms.pbc.all())
+        positions = torch.tensor(atoms.positions, dtype=parameter.dtype, device=parameter.device, requires_grad=grad)
+        strain = torch.eye(3, dtype=parameter.dtype, device=parameter.device, requires_grad=stress)
+        cell = torch.tensor(atoms.cell.array * atoms.pbc[:, None], dtype=parameter.dtype, device=parameter.device)
+        pbc = torch.tensor(atoms.pbc, device=parameter.device)
+        types = torch.tensor(atoms.numbers, dtype=torch.int32, device=parameter.device)
+        with torch.set_grad_enabled(grad):
+            system = System(types, positions @ strain, cell @ strain, pbc)
+            for neighbors in self._neighbor_lists:
+                neighbors.add_neighbor_list(system)
+            options = ModelEvaluationOptions(
+                length_unit="angstrom", outputs={key: ModelOutput(unit="eV", sample_kind="atom")}
+            )
+            block = model([system], options, check_consistency=False)[key].block()
+            energies = torch.zeros(len(atoms), dtype=torch.float64, device=parameter.device)
+            energies = energies.index_add(0, block.samples.column("atom"), block.values[:, 0].double())
+            energy = (energies * torch.from_numpy(weights).to(energies)).sum()
+            gradients = torch.autograd.grad(energy, [positions, strain] if stress else [positions]) if grad else []
+        result = {"energy": float(energy.detach()), "energies": energies.detach().cpu().numpy()}
+        if grad:
+            result["forces"] = -gradients[0].double().cpu().numpy()
+        if stress:
+            result["stress"] = gradients[1].double().cpu().numpy() / atoms.get_volume()
+        return result
 
     @staticmethod
     def _run(calculator, structures: list[Atoms], properties, grad: bool, stress: bool) -> list[dict]:

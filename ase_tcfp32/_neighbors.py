@@ -96,6 +96,15 @@ def all_pairs(positions: torch.Tensor, cells: np.ndarray, cutoff: float, reach: 
     return b, i, j, shifts[image] + whole[b, i] - whole[b, j]  # the shift between the unwrapped positions
 
 
+def model_neighbor_lists(model, skin: float) -> list:
+    """vesin's calculators of the neighbor lists an exported metatomic ``model`` asks for
+    (positions in Å, Verlet ``skin`` in Å); each adds its list to a system with
+    ``add_neighbor_list(system)``."""
+    from vesin.metatomic import neighbor_lists_for_model
+
+    return neighbor_lists_for_model("angstrom", model, skin=skin)
+
+
 def _vesin_pairs(positions: torch.Tensor, cell: torch.Tensor, pbc: np.ndarray, cutoff: float) -> tuple:
     """vesin's full pair list (i, j, S) of one structure."""
     from vesin import NeighborList

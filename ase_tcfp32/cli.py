@@ -1,5 +1,6 @@
-"""Command line: ``ase-tcfp32 validate TEST ...``, ``ase-tcfp32 warmup ...``, ``ase-tcfp32 info``, and i-PI's
-``ase-tcfp32 ipi-driver ...`` and ``ase-tcfp32 ipi-server INPUT.xml``."""
+"""Command line: ``ase-tcfp32 validate TEST ...``, ``ase-tcfp32 warmup ...``, ``ase-tcfp32 info``, i-PI's
+``ase-tcfp32 ipi-driver ...`` and ``ase-tcfp32 ipi-server INPUT.xml``, and ``ase-tcfp32 lammps-input STRUCTURE``
+(a LAMMPS run across MPI ranks: :mod:`ase_tcfp32.lammps`)."""
 
 from __future__ import annotations
 
@@ -119,6 +120,33 @@ def _ipi_server(args) -> None:
     if not Path(args.input).is_file():
         raise SystemExit(f"ase-tcfp32 ipi-server: no i-PI input file {args.input!r}")
     _ipi_server.run([args.input, *args.options])
+
+
+def _lammps_input(args) -> None:
+    """Write a LAMMPS input and data file for ``args.structure`` (:func:`ase_tcfp32.lammps.write_inputs`)."""
+    from ase.io import read
+
+    from .lammps import write_inputs
+
+    try:
+        atoms = read(args.structure)
+        path = write_inputs(
+            atoms,
+            args.out,
+            model=args.model,
+            steps=args.steps,
+            timestep=args.timestep,
+            ensemble=args.ensemble,
+            temperature=args.temperature,
+            pressure=args.pressure,
+            thermo=args.thermo,
+            dump=args.dump,
+            skin=args.skin,
+        )
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"ase-tcfp32 lammps-input: {error}") from None
+    print(f"wrote {path} and its data file; run it from {args.out}:")
+    print(f"  mpirun -np 4 python -m ase_tcfp32.lammps in.lmp --model {args.model}")
 
 
 def _bytecode_cache() -> str:
@@ -273,6 +301,21 @@ def main(argv: list[str] | None = None) -> None:
     server.add_argument("input", help="i-PI's input file (XML)")
     server.add_argument("options", nargs=argparse.REMAINDER, help="i-PI's options, after the input file (i-pi --help)")
     server.set_defaults(func=_ipi_server)
+    lammps = commands.add_parser(
+        "lammps-input", help="write a LAMMPS input for one large system across MPI ranks (docs/scaling.md)"
+    )
+    lammps.add_argument("structure", help="a periodic structure file ASE reads")
+    lammps.add_argument("--model", required=True, help="uPET name or checkpoint path: sets the halo depth")
+    lammps.add_argument("--out", default=".", help="folder for in.lmp and system.data (default: here)")
+    lammps.add_argument("--steps", type=int, default=1000)
+    lammps.add_argument("--timestep", type=float, default=0.5, help="fs (default 0.5)")
+    lammps.add_argument("--ensemble", default="nve", choices=("nve", "nvt", "npt"))
+    lammps.add_argument("--temperature", type=float, default=None, help="K (and the velocities drawn at it)")
+    lammps.add_argument("--pressure", type=float, default=1.0, help="bar, for npt (default 1)")
+    lammps.add_argument("--thermo", type=int, default=10, help="thermo output every this many steps")
+    lammps.add_argument("--dump", type=int, default=0, help="positions every this many steps (0: none)")
+    lammps.add_argument("--skin", type=float, default=1.0, help="neighbor skin, Å (the halo is R_eff + skin)")
+    lammps.set_defaults(func=_lammps_input)
     info = commands.add_parser("info", help="versions, GPUs, precisions and what auto picks")
     info.set_defaults(func=_info)
     args = parser.parse_args(argv)

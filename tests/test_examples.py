@@ -17,6 +17,8 @@ RUNS = {
     "cell_relax.py": (["--steps", "3", "--device", "cpu"], "cell lengths"),
     "compare_precisions.py": (["--device", "cpu"], "tf32x3"),
     "preview_gpu.py": (["--model", "{tiny}"], "bf16x9 on B200"),  # the tiny model: 18 s, not 3 min
+    # water vapour: ~1,000-atom domains with their halos, not 7,000 (docs/scaling.md)
+    "lammps_water.py": (["--molecules", "27", "--density", "0.1", "--steps", "2", "--device", "cpu"], "LAMMPS ran 2"),
 }
 
 
