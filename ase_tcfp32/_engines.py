@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 from ase import Atoms
 
-from ._heads import Heads
+from ._heads import LLPR, Heads
 from ._lean import LeanPET, unsupported_reason
 from ._packed import unsupported_reason as packed_problem
 
@@ -29,8 +29,7 @@ PROPERTIES = ("energy", "energies", "forces", "stress")
 
 DIRECT = ("non_conservative_forces", "non_conservative_stress")
 """What else :meth:`Engine.compute` may be asked for: the direct heads' forces and stress
-(and ``"energy_features"``, the energy head's last-layer features per atom [n, F], for the
-uncertainty: :class:`ase_tcfp32._heads.LLPR`)."""
+(and :data:`ase_tcfp32._uncertainty.LLPR_OUTPUTS`)."""
 
 
 class Engine(Protocol):
@@ -109,6 +108,7 @@ def make_engine(
     check_every: int = 0,
     packed: bool = False,
     heads: Heads | None = None,
+    llpr: LLPR | None = None,
 ) -> tuple[Engine, str, str]:
     """The engine ``engine`` (one of :data:`ENGINES`) for the prepared ``pet`` on ``device``,
     the name of the one it runs, and why, in words.
@@ -120,6 +120,8 @@ def make_engine(
         packed rows (:mod:`ase_tcfp32._packed`) unless the model is compiled.
     :param heads: which of the model's outputs to read (:class:`ase_tcfp32._heads.Heads`:
         variants, direct heads; default: the default energy and whichever direct heads exist).
+    :param llpr: the energy's LLPR, for :data:`ase_tcfp32._uncertainty.LLPR_OUTPUTS` (None: the
+        model has none).
     """
     check_engine(engine, device, low_memory)
     used, reason = choose_engine(pet, device, low_memory) if engine == "auto" else (engine, "chosen by the caller")
@@ -129,12 +131,21 @@ def make_engine(
     if used == "metatomic":
         from ._metatomic import MetatomicEngine
 
-        return MetatomicEngine(pet, device, skin, heads.variants if heads else None), used, reason
+        return MetatomicEngine(pet, device, skin, heads.variants if heads else None, llpr), used, reason
     graph_atoms, large_skin = (sys.maxsize if used == "graphs" else 0), None
     if replays:
         graph_atoms, large_skin = GRAPH_ATOMS, (LARGE_SKIN if neighbor_skin is None else neighbor_skin)
     packed = packed and not compile and packed_problem(pet) is None
     lean = LeanPET(
-        pet, device, skin, graph_atoms, large_skin, compile=compile, check_every=check_every, packed=packed, heads=heads
+        pet,
+        device,
+        skin,
+        graph_atoms,
+        large_skin,
+        compile=compile,
+        check_every=check_every,
+        packed=packed,
+        heads=heads,
+        llpr=llpr,
     )
     return lean, used, reason
