@@ -223,3 +223,49 @@ def test_a_model_without_uncertainty_ignores_the_threshold():
     atoms = water_box(8, seed=1)
     atoms.calc = calc
     assert catch(atoms.get_forces) == [] and not calc.supports_uncertainty
+
+
+# --- on the GPU (pytest -m gpu tests; skipped without CUDA) ---
+
+METHODS = ("get_forces_ensemble", "get_forces_uncertainty", "get_stress_ensemble", "get_stress_uncertainty")
+
+
+@pytest.mark.gpu
+def test_the_ensembles_on_tensor_cores_are_fp32_accurate():
+    """Each new method with the default calculator on the GPU (its FP32-accurate precision,
+    packed rows; the ensemble's step eager between CUDA-graph steps) is as far from the
+    float64 model as an FP32 calculator's (4x margin: a handful of roundings apart); forces
+    replayed from the graph after the ensemble calls are the FP32 calculator's."""
+    atoms = water_box(32, seed=2)
+    exact = demo(dtype="float64", device="cuda")
+    reference = {method: getattr(exact, method)(atoms) for method in METHODS}
+    fp32 = demo(device="cuda")
+    default = TCPETCalculator("pet-demo-chgnet", device="cuda", progress=False, uncertainty_threshold=None)
+    moved = atoms.copy()
+    moved.calc = default
+    moved.get_forces()  # a forces step recorded as a CUDA graph
+    errors = {
+        name: {method: np.abs(getattr(calc, method)(atoms) - reference[method]).max() for method in METHODS}
+        for name, calc in (("fp32", fp32), ("default", default))
+    }
+    for method in METHODS:
+        assert errors["default"][method] <= 4 * errors["fp32"][method] + 1e-9, (method, errors)
+    moved.positions[0, 0] += 1e-3
+    assert close(moved.get_forces(), fp32.get_forces(moved), 1e-4)
+
+
+@pytest.mark.gpu
+def test_the_threshold_on_the_gpu_names_the_atoms_float64_does():
+    """The check in the step (replayed from a CUDA graph) names the atoms whose float64
+    per-atom uncertainty is above the threshold (none within FP32's error of it here)."""
+    atoms = water_box(32, seed=2)
+    sigma = demo(dtype="float64", device="cuda").get_energy_uncertainty(atoms, per_atom=True)
+    threshold = 0.5
+    assert np.abs(sigma - threshold).min() > 1e-4 and (sigma > threshold).any()
+    calc = TCPETCalculator("pet-demo-chgnet", device="cuda", progress=False, uncertainty_threshold=threshold)
+    for step in range(3):  # the first records the graph, the others replay it
+        moved = atoms.copy()
+        moved.positions += 1e-6 * step  # a new calculation each time (sigma moves by ~1e-7 eV)
+        moved.calc = calc
+        (message,) = catch(moved.get_forces)
+        assert f"atoms {np.where(sigma > threshold)[0]}" in message
