@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 from ase import Atoms
 
-from ._heads import Heads
+from ._heads import LLPR, Heads
 from ._lean import LeanPET, unsupported_reason
 from ._memory import pieces_for
 from ._packed import unsupported_reason as packed_problem
@@ -30,8 +30,7 @@ PROPERTIES = ("energy", "energies", "forces", "stress")
 
 DIRECT = ("non_conservative_forces", "non_conservative_stress")
 """What else :meth:`Engine.compute` may be asked for: the direct heads' forces and stress
-(and ``"energy_features"``, the energy head's last-layer features per atom [n, F], for the
-uncertainty: :class:`ase_tcfp32._heads.LLPR`)."""
+(and :data:`ase_tcfp32._uncertainty.LLPR_OUTPUTS`)."""
 
 
 class Engine(Protocol):
@@ -116,6 +115,7 @@ def make_engine(
     packed: bool = False,
     heads: Heads | None = None,
     piece_atoms: int | None = 0,
+    llpr: LLPR | None = None,
 ) -> tuple[Engine, str, str]:
     """The engine ``engine`` (one of :data:`ENGINES`) for the prepared ``pet`` on ``device``,
     the name of the one it runs, and why, in words.
@@ -130,6 +130,8 @@ def make_engine(
     :param piece_atoms: evaluate large systems in pieces, one GNN layer at a time, on packed
         rows (:func:`ase_tcfp32._memory.pieces_for`: None automatic, 0 never, N > 0 above N
         atoms); lean engines only.
+    :param llpr: the energy's LLPR, for :data:`ase_tcfp32._uncertainty.LLPR_OUTPUTS` (None: the
+        model has none).
     """
     check_engine(engine, device, low_memory)
     used, reason = choose_engine(pet, device, low_memory) if engine == "auto" else (engine, "chosen by the caller")
@@ -141,7 +143,7 @@ def make_engine(
             raise ValueError(f"piece_atoms={piece_atoms}: pieces are evaluated by the lean engines, not 'metatomic'")
         from ._metatomic import MetatomicEngine
 
-        return MetatomicEngine(pet, device, skin, heads.variants if heads else None), used, reason
+        return MetatomicEngine(pet, device, skin, heads.variants if heads else None, llpr), used, reason
     graph_atoms, large_skin = (sys.maxsize if used == "graphs" else 0), None
     if replays:
         graph_atoms, large_skin = GRAPH_ATOMS, (LARGE_SKIN if neighbor_skin is None else neighbor_skin)
@@ -160,5 +162,6 @@ def make_engine(
         packed=(packed or pieces is not None) and not whole,
         heads=heads,
         pieces=pieces,
+        llpr=llpr,
     )
     return lean, used, reason

@@ -38,10 +38,12 @@ from . import _progress as progress
 from . import watchdog
 from ._compilation import compiled
 from ._graphs import Graph
-from ._heads import ENERGY, FORCE, STRESS, Heads, direct_output, table_predictions
+from ._heads import ENERGY, FORCE, LLPR, STRESS, Heads, direct_output, table_predictions
 from ._inputs import Kept, neighbor_table, packed_rows
 from ._kernels.context import cutoff_kernel_usable
-from ._neighbors import VIRIAL_BINS, PairTerms, Structures, VerletList, pair_vectors, round_up
+from ._neighbors import PairTerms, Structures, VerletList, pair_vectors, round_up, virials
+from ._results import per_structure
+from ._uncertainty import LLPR_OUTPUTS, Uncertainty
 
 _FAR = 1.0e6
 """Distance given to the padding pairs: past every cutoff, so they weigh exactly zero."""
@@ -97,6 +99,8 @@ class LeanPET:
         (:mod:`ase_tcfp32._packed`: its attention on tensor cores; not with ``compile``).
     :param pieces: on packed rows, when to evaluate a system in pieces, one GNN layer at a
         time (:class:`ase_tcfp32._layerwise.Pieces`; None: never).
+    :param llpr: the energy's LLPR, for ``energy_uncertainty`` and ``energy_ensemble``
+        (:mod:`ase_tcfp32._uncertainty`); None: the model has none.
     """
 
     def __init__(
@@ -111,6 +115,7 @@ class LeanPET:
         packed: bool = False,
         heads: Heads | None = None,
         pieces=None,
+        llpr: LLPR | None = None,
     ):
         from metatrain.pet.modules import adaptive_cutoff, utilities
 
@@ -129,6 +134,7 @@ class LeanPET:
         self.pet, self.device, self.graph_atoms = pet.to(device), device, graph_atoms
         self.backend = pet.backend
         self.dtype = next(pet.parameters()).dtype
+        self.uncertainty = Uncertainty(llpr, device, self.dtype) if llpr is not None else None
         self.skins = (float(skin), float(skin if large_skin is None else large_skin))
         self.neighbors = VerletList(float(self.backend.cutoff), device, self.dtype)
         self.cuda_graphs = False  # set per system, with the skin
@@ -285,29 +291,32 @@ class LeanPET:
         grad: bool,
         stress: bool,
         direct: tuple[str, ...],
-        features: bool = False,
+        llpr: tuple[str, ...] = (),
     ) -> dict:
         """One evaluation on the device, as tensors: per-structure energies [S] (sums of the per-atom
         energies [N] times their ``weights`` [N]); with ``grad`` the forces [N, 3] (with ``stress`` each
         structure's strain derivative [S, 3, 3]) from one backward pass of those sums; the ``direct``
-        heads' forces [N, 3] (net force removed per structure) and stress [S, 3, 3], same forward pass."""
+        heads' forces [N, 3] (net force removed per structure) and stress [S, 3, 3], same forward pass;
+        the ``llpr`` outputs of the energy head's last-layer features (:meth:`ase_tcfp32._uncertainty.Uncertainty.outputs`)."""
         positions = positions.detach().requires_grad_(grad)
+        count = cells.shape[0]
         with torch.set_grad_enabled(grad):
             vectors = pair_vectors(positions, self.pairs)
-            energies, terms, sizes, found = self.predict(vectors, cells, numbers, direct, features)
+            energies, terms, sizes, found = self.predict(vectors, cells, numbers, direct, bool(llpr))
             if grad:
-                grads = torch.autograd.grad((energies * weights).sum(), [positions, vectors] if stress else [positions])
-        count = cells.shape[0]
-        totals = energies.new_zeros(count).index_add_(0, system, (energies * weights).detach())
-        out = {"energy": totals, "energies": energies.detach(), "sizes": sizes}
-        if features:
-            out["energy_features"] = found.detach()
-        if grad:
-            out["forces"] = -grads[0]
-        if grad and stress:  # dE/d(strain) of structure s: its pairs' v ⊗ dE/dv, summed (see the module doc)
-            virial_terms = (vectors.detach()[:, :, None] * grads[1][:, None, :]).reshape(-1, 9)
-            bins = virial_terms.new_zeros(count * VIRIAL_BINS, 9).index_add_(0, self.pairs.bins, virial_terms)
-            out["virial"] = bins.reshape(count, VIRIAL_BINS, 3, 3).sum(1)
+                wrt = [positions, vectors] if stress else [positions]
+                grads = torch.autograd.grad((energies * weights).sum(), wrt, retain_graph="energy_ensemble" in llpr)
+            totals = energies.new_zeros(count).index_add_(0, system, (energies * weights).detach())
+            out = {"energy": totals, "energies": energies.detach(), "sizes": sizes}
+            if grad:
+                out["forces"] = -grads[0]
+            if grad and stress:  # dE/d(strain) of structure s: its pairs' v ⊗ dE/dv, summed (see the module doc)
+                out["virial"] = virials(vectors, grads[1], self.pairs, count)
+            if "energy_features" in llpr:
+                out["energy_features"] = found.detach()
+            if set(llpr) - {"energy_features"}:
+                virial = functools.partial(virials, pairs=self.pairs, count=count) if stress else None
+                out.update(self.uncertainty.outputs(llpr, found, out, positions, vectors, virial))
         for quantity, term in zip(direct, terms):
             out.update(direct_output(quantity, term.detach(), cells, system))
         return out
@@ -320,14 +329,19 @@ class LeanPET:
         backward pass; none for an energy-only call); ``stress`` [3, 3] (eV/Å³, ASE sign)
         of each 3D-periodic structure when ``"stress"`` is asked; the direct heads'
         ``non_conservative_forces`` [n, 3] and, for 3D-periodic structures,
-        ``non_conservative_stress`` [3, 3] when asked; with ``weights`` ([n] per structure)
+        ``non_conservative_stress`` [3, 3] when asked; the LLPR outputs when asked
+        (:data:`ase_tcfp32._uncertainty.LLPR_OUTPUTS`); with ``weights`` ([n] per structure)
         ``energy``, forces and stress are those of the per-atom energies' weighted sum. One
         batched evaluation (same-size copies, like path-integral beads, are the fast case)."""
         grad = "forces" in properties or "stress" in properties
         stress = "stress" in properties and any(atoms.pbc.all() for atoms in structures)
         named = ((FORCE, "non_conservative_forces"), (STRESS, "non_conservative_stress"))
         direct = tuple(quantity for quantity, name in named if name in properties)
-        flags = {"grad": grad, "stress": stress, "direct": direct, "features": "energy_features" in properties}
+        llpr = tuple(name for name in LLPR_OUTPUTS if name in properties)
+        if set(llpr) - {"energy_features"} and self.uncertainty is None:
+            raise ValueError("this model carries no LLPR uncertainty")
+        grad = grad or "energy_ensemble" in llpr
+        flags = {"grad": grad, "stress": stress, "direct": direct, "llpr": llpr}
         batch = Structures.of(structures)
         self._use(batch)
         positions = torch.from_numpy(batch.positions).to(self.device, self.dtype)
@@ -353,23 +367,8 @@ class LeanPET:
             if total > self.rows:
                 self._set_rows(total)
             out = self._evaluate(positions, cells, numbers, system, weights, flags)  # same counts, any sizes
-        ends = np.cumsum(batch.sizes)[:-1]
         host = {key: value.double().cpu().numpy() for key, value in out.items() if key != "sizes"}
-        per_atom = {
-            key: np.split(host[key], ends)
-            for key in ("energies", "forces", "non_conservative_forces", "energy_features")
-            if key in host
-        }
-        results = []
-        for k, atoms in enumerate(structures):
-            result = {"energy": float(host["energy"][k]), **{key: value[k] for key, value in per_atom.items()}}
-            if atoms.pbc.all():
-                if "virial" in host:
-                    result["stress"] = host["virial"][k] / atoms.get_volume()
-                if "non_conservative_stress" in host:
-                    result["non_conservative_stress"] = host["non_conservative_stress"][k]
-            results.append(result)
-        return results
+        return per_structure(host, structures)
 
     def neighbor_counts(self, structures: list[Atoms]) -> torch.Tensor:
         """The neighbors [N] that PET keeps for each atom of ``structures`` (within its
@@ -383,7 +382,7 @@ class LeanPET:
         """One :meth:`_step` with ``flags``: eager, or replaying the graph recorded (once) for them."""
         due = self.check_every and self.evaluations % self.check_every == 0
         self.evaluations += 1
-        if not self.cuda_graphs:
+        if not self.cuda_graphs or "energy_ensemble" in flags["llpr"]:  # one-off ensembles: no graph kept
             return self._step(positions, cells, numbers, system, weights, **flags)
         if due:  # the watchdog's turn: the same step, eagerly, every layer checked
             with watchdog.check_all():

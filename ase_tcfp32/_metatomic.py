@@ -15,6 +15,8 @@ from ase import Atoms
 from ase.calculators.calculator import all_changes
 from ase.stress import voigt_6_to_full_3x3_stress
 
+from ._heads import LLPR
+from ._uncertainty import Uncertainty, metatomic_members
 from .models import import_dependencies
 
 DIRECT = {"non_conservative_forces": "forces", "non_conservative_stress": "stress"}
@@ -28,13 +30,29 @@ class MetatomicEngine:
     :param device: where to evaluate it.
     :param skin: Verlet skin (Å) of metatomic-ase's neighbor lists.
     :param variants: metatomic-ase's ``variants`` (which output of each quantity to read).
+    :param llpr: the energy's LLPR (:mod:`ase_tcfp32._uncertainty`); its features then come
+        with every single-structure evaluation, as metatomic-ase's additional output.
     """
 
-    def __init__(self, pet: torch.nn.Module, device: torch.device, skin: float, variants: dict | None = None):
+    FEATURES = "mtt::aux::energy_last_layer_features"
+
+    def __init__(
+        self,
+        pet: torch.nn.Module,
+        device: torch.device,
+        skin: float,
+        variants: dict | None = None,
+        llpr: LLPR | None = None,
+    ):
         import_dependencies(metatomic_ase=True)
+        from metatomic.torch import ModelOutput
         from metatomic_ase import MetatomicCalculator
 
-        model = pet.export().eval()
+        self.model = model = pet.export().eval()
+        self.uncertainty = None if llpr is None else Uncertainty(llpr, device, next(pet.parameters()).dtype)
+        energy = (variants or {}).get("energy")
+        self.energy = "energy" if energy is None else f"energy/{energy}"
+        features = {self.FEATURES: ModelOutput(sample_kind="atom")} if llpr is not None else None
 
         def calculator(non_conservative):
             return MetatomicCalculator(
@@ -45,6 +63,7 @@ class MetatomicEngine:
                 non_conservative=non_conservative,
                 uncertainty_threshold=None,
                 neighbor_skin=skin,
+                additional_outputs=features if non_conservative is False else None,
             )
 
         self._calculator = calculator
@@ -58,7 +77,7 @@ class MetatomicEngine:
         asked), ``forces`` [n, 3] (eV/Å) when ``"forces"`` or ``"stress"`` is asked,
         ``stress`` [3, 3] (eV/Å³) of each 3D-periodic structure when ``"stress"`` is asked,
         the direct heads' ``non_conservative_forces`` / ``non_conservative_stress`` and the
-        energy head's last-layer ``energy_features`` [n, F] when asked. One structure goes
+        LLPR outputs (:data:`ase_tcfp32._uncertainty.LLPR_OUTPUTS`) when asked. One structure goes
         through metatomic-ase's ``calculate``, which keeps its
         neighbor list between calls; several through one batched model call. With
         ``weights`` ([n] per structure): ``energy``, ``energies``, ``forces`` and ``stress`` of
@@ -69,14 +88,22 @@ class MetatomicEngine:
                 raise ValueError(f"with weights, the metatomic engine computes no {', '.join(unknown)}")
             return [self.weighted(atoms, np.asarray(w, float), properties) for atoms, w in zip(structures, weights)]
         grad = "forces" in properties or "stress" in properties
+        if ("energy_uncertainty" in properties or "energy_ensemble" in properties) and self.uncertainty is None:
+            raise ValueError("this model carries no LLPR uncertainty")
         results = self._run(self.calculator, structures, properties, grad, "stress" in properties)
-        if "energy_features" in properties:  # the energy head's last-layer features, per atom
-            from metatomic.torch import ModelOutput
-
-            name = "mtt::aux::energy_last_layer_features"
+        if "energy_features" in properties or "energy_uncertainty" in properties:
             for result, atoms in zip(results, structures):
-                out = self.calculator.run_model(atoms, {name: ModelOutput(sample_kind="atom")})
-                result["energy_features"] = out[name].block().values.detach().double().cpu().numpy()
+                features = self._features(atoms, len(structures) == 1)
+                if "energy_features" in properties:
+                    result["energy_features"] = features.double().cpu().numpy()
+                if "energy_uncertainty" in properties:
+                    result["energy_uncertainty"] = self.uncertainty.atoms(features).cpu().numpy()
+        if "energy_ensemble" in properties:
+            for result, atoms in zip(results, structures):
+                members = metatomic_members(self.calculator, self.model, atoms, self.energy, self.uncertainty)
+                result.update(
+                    {key: value for key, value in members.items() if "stress" in properties or "forces" in key}
+                )
         direct = [name for name in DIRECT if name in properties]
         if direct:
             setting = True if len(direct) == 2 else DIRECT[direct[0]]
@@ -129,6 +156,17 @@ class MetatomicEngine:
         if stress:
             result["stress"] = gradients[1].double().cpu().numpy() / atoms.get_volume()
         return result
+
+    def _features(self, atoms: Atoms, evaluated: bool) -> torch.Tensor:
+        """The energy head's last-layer features [n, F] of ``atoms``: those of the
+        evaluation just done where it was ``atoms``' alone (``evaluated``) and computed them,
+        else from a model call of their own."""
+        from metatomic.torch import ModelOutput
+
+        found = self.calculator.additional_outputs if evaluated else {}
+        if self.FEATURES not in found:
+            found = self.calculator.run_model(atoms, {self.FEATURES: ModelOutput(sample_kind="atom")})
+        return found[self.FEATURES].block().values.detach()
 
     @staticmethod
     def _run(calculator, structures: list[Atoms], properties, grad: bool, stress: bool) -> list[dict]:

@@ -210,6 +210,15 @@ class PairTerms(torch.autograd.Function):
         return torch.segment_reduce(per_pair, "sum", offsets=first, axis=0), None, None, None, None, None
 
 
+def virials(vectors: torch.Tensor, gradients: torch.Tensor, pairs: Pairs, count: int) -> torch.Tensor:
+    """Each structure's derivative of a scalar by its strain [count, 3, 3]: the sum over its
+    pairs of v ⊗ dE/dv, from the pairs' ``vectors`` [capacity, 3] and the scalar's
+    ``gradients`` by them [capacity, 3] (summed in :data:`VIRIAL_BINS` bins per structure)."""
+    terms = (vectors.detach()[:, :, None] * gradients[:, None, :]).reshape(-1, 9)
+    bins = terms.new_zeros(count * VIRIAL_BINS, 9).index_add_(0, pairs.bins, terms)
+    return bins.reshape(count, VIRIAL_BINS, 3, 3).sum(1)
+
+
 def pair_vectors(positions: torch.Tensor, pairs: Pairs) -> torch.Tensor:
     """The vectors [capacity, 3] (Å) from each pair's center to its neighbor's image, for
     the ``positions`` [N, 3] (zero for the padding); see :class:`PairTerms`."""

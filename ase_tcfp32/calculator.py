@@ -22,7 +22,7 @@ from ase.calculators.calculator import Calculator, PropertyNotImplementedError, 
 from ase.data import chemical_symbols
 from ase.stress import full_3x3_to_voigt_6_stress
 
-from . import _rotations, watchdog
+from . import _rotations, _uncertainty, watchdog
 from ._engines import DIRECT, PROPERTIES, check_engine, make_engine
 from ._heads import FORCE, LLPR, STRESS, Heads
 from ._memory import out_of_memory_message
@@ -33,6 +33,9 @@ from .layers import EMULATED
 from .models import load_model
 from .precision import check_name, ieee_fp32_matmul, resolve_precision, support, triton_build_problem
 from .tcmodel import tensor_core
+
+ENSEMBLES = ("forces_ensemble", "stress_ensemble")
+"""What :meth:`TCPETCalculator.evaluate` also computes for a model with an LLPR energy ensemble."""
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -103,6 +106,10 @@ class TCPETCalculator(Calculator):
         forces and/or stress from the model's direct heads (one forward pass, no backward;
         PET-MAD >= 1.1), as in upet. They do not conserve energy: see :mod:`ase_tcfp32.mts`
         for molecular dynamics with them.
+    :param uncertainty_threshold: as in upet and metatomic-ase: with a model that carries an
+        LLPR uncertainty, every energy calculation (``calculate``, :meth:`evaluate`) warns
+        when an atom's energy uncertainty exceeds this many eV, naming the atoms (default
+        0.1; read in the same forward pass). ``None``: no check. Ignored for other models.
     :param precision: ``"auto"``, ``"fp32"``, ``"tf32"``, ``"tf32x3"``, ``"fp16x3"`` or ``"bf16x9"``
         (see :mod:`ase_tcfp32.precision`).
     :param device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``; default CUDA when available.
@@ -157,6 +164,7 @@ class TCPETCalculator(Calculator):
         rotational_average_batch_size: int | None = None,
         *,
         non_conservative: bool | str = False,
+        uncertainty_threshold: float | None = 0.1,
         precision: str = "auto",
         device: str | torch.device | None = None,
         emulate: str | None = None,
@@ -175,6 +183,7 @@ class TCPETCalculator(Calculator):
         if variants is not None and not isinstance(variants, dict):
             raise TypeError(f"variants is a dict such as {{'energy': 'r2scan'}}, not {variants!r}")
         _rotations.check(rotational_average_order, rotational_average_batch_size)
+        self.uncertainty_threshold = _uncertainty.check_threshold(uncertainty_threshold)
         self.rotational_average_order = rotational_average_order or None  # 0 or None: no averaging, as upet
         self.rotational_average_batch_size = rotational_average_batch_size
         self.non_conservative = non_conservative
@@ -212,6 +221,7 @@ class TCPETCalculator(Calculator):
 
         self.pet, wrapper = load_model(model, version)
         self._llpr = LLPR.of(wrapper)  # the energy's uncertainty, where the checkpoint has one
+        self._direct_ensembles = set(getattr(wrapper, "llpr_ensemble_layers", {})) - {"energy"}
         if float64:
             self.pet = self.pet.double()
         dtype = next(self.pet.parameters()).dtype
@@ -244,6 +254,7 @@ class TCPETCalculator(Calculator):
             packed=ours,
             heads=heads,
             piece_atoms=piece_atoms,
+            llpr=self._llpr,
         )
         if isinstance(model, torch.nn.Module):
             self.model_name = self.pet.metadata.name or type(model).__name__
@@ -324,28 +335,58 @@ class TCPETCalculator(Calculator):
         ``"forces"`` and ``"stress"`` follow ``non_conservative``; the direct heads' results
         can also be asked by name, ``"non_conservative_forces"`` and
         ``"non_conservative_stress"``, next to the conservative ones from the same forward
-        pass (what :mod:`ase_tcfp32.mts` asks for).
+        pass (what :mod:`ase_tcfp32.mts` asks for). With the LLPR's energy ensemble,
+        ``"forces_ensemble"`` [n, 3, K] (eV/Å) and ``"stress_ensemble"`` [6, K] (eV/Å³,
+        Voigt; 3D-periodic structures) are :meth:`get_forces_ensemble`'s and
+        :meth:`get_stress_ensemble`'s (not rotationally averaged: not with
+        ``rotational_average_order``). ``uncertainty_threshold`` is checked for every structure.
 
         >>> results = calc.evaluate([atoms.copy() for _ in range(32)])  # doctest: +SKIP
         """
         structures = list(structures)
-        unknown = sorted(set(properties) - set(PROPERTIES) - set(DIRECT))
+        known = PROPERTIES + DIRECT + ENSEMBLES
+        unknown = sorted(set(properties) - set(known))
         if unknown:
-            raise ValueError(f"unknown properties {unknown}: evaluate computes {', '.join(PROPERTIES + DIRECT)}")
+            raise ValueError(f"unknown properties {unknown}: evaluate computes {', '.join(known)}")
+        ensembles = [name for name in ENSEMBLES if name in properties]
+        if ensembles and self.rotational_average_order:
+            raise ValueError(f"{', '.join(ensembles)} are not rotationally averaged: use a calculator without it")
+        for name in ensembles:
+            self._ensemble_regime(name.split("_")[0], None)
         if not structures:
             return []
         for atoms in structures:
             self.check_atoms(atoms, [p for p in properties if p == "energy" or p == "forces"])
+        results = self._checked(structures, properties)
+        for result in results:
+            if "stress_ensemble" in result:
+                result["stress_ensemble"] = _uncertainty.voigt(result["stress_ensemble"])
+        return results
+
+    def _checked(self, structures: list[Atoms], properties) -> list[dict]:
+        """``properties`` of ``structures`` (rotationally averaged where asked), each
+        structure's per-atom energy uncertainty checked against ``uncertainty_threshold``
+        (the unaveraged structure's, in the same forward pass where not averaged)."""
+        watch = self._llpr is not None and self.uncertainty_threshold is not None
         if self.rotational_average_order:
-            return [self._averaged(atoms, properties) for atoms in structures]
-        return self._compute(structures, properties)
+            results = [self._averaged(atoms, properties) for atoms in structures]
+            checked = self._compute(structures, ("energy", "energy_uncertainty")) if watch else []
+        else:
+            results = checked = self._compute(structures, (*properties, "energy_uncertainty") if watch else properties)
+        if watch:
+            _uncertainty.warn_above(
+                self.uncertainty_threshold, [result.pop("energy_uncertainty") for result in checked]
+            )
+        return results
 
     def _engine_properties(self, properties, periodic: bool) -> set[str]:
         """What the engine computes for the calculator's ``properties``: energies always;
         ``forces`` and ``stress`` from the direct heads where ``non_conservative`` says so,
         else from one backward pass, which gives a periodic system's stress with its forces
         for free (as metatomic-ase does)."""
-        wanted = {"energy", *(set(properties) & {"energies", "energy_features", *DIRECT})}
+        wanted = {"energy", *(set(properties) & {"energies", "energy_features", "energy_uncertainty", *DIRECT})}
+        if "forces_ensemble" in properties or "stress_ensemble" in properties:  # conservative: autograd
+            wanted |= {"energy_ensemble", "forces", *(("stress",) if "stress_ensemble" in properties else ())}
         if "forces" in properties:
             wanted.add("non_conservative_forces" if self._direct_forces else "forces")
         if "stress" in properties:
@@ -371,6 +412,14 @@ class TCPETCalculator(Calculator):
                 if used and direct in result:
                     result[name] = result[direct] if direct in properties else result.pop(direct)
             result["free_energy"] = result["energy"]
+            if "energy_ensemble_forces" in result:  # no net force per member, as upet makes them
+                members = result.pop("energy_ensemble_forces")
+                if "forces_ensemble" in properties:
+                    result["forces_ensemble"] = members - members.mean(0)
+            if "energy_ensemble_stress" in result:
+                members = result.pop("energy_ensemble_stress")
+                if "stress_ensemble" in properties:
+                    result["stress_ensemble"] = members  # [3, 3, K]: Voigt for evaluate's callers
             for name in ("stress", DIRECT[1]):
                 if name in result:
                     result[name] = full_3x3_to_voigt_6_stress(result[name])
@@ -388,8 +437,10 @@ class TCPETCalculator(Calculator):
 
     @property
     def supports_uncertainty(self) -> bool:
-        """Whether the model carries an LLPR energy uncertainty (as PET-MAD releases do)."""
-        return self._llpr is not None
+        """upet's: whether the model carries an LLPR energy uncertainty (as PET-MAD releases
+        do) and ``uncertainty_threshold`` checks it (upet says False with ``None``; the
+        ``get_*_uncertainty`` and ``get_*_ensemble`` methods work either way)."""
+        return self._llpr is not None and self.uncertainty_threshold is not None
 
     def get_energy_uncertainty(self, atoms: Atoms | None = None, per_atom: bool = False) -> np.ndarray:
         """upet's: the LLPR uncertainty (eV) of the energy of ``atoms`` (default: the last
@@ -409,6 +460,63 @@ class TCPETCalculator(Calculator):
             return self._llpr.ensemble(features, energies).numpy()
         return self._llpr.ensemble(features.sum(0, keepdim=True), energies.sum(0, keepdim=True)).numpy()[0]
 
+    def get_forces_ensemble(self, atoms: Atoms | None = None, non_conservative: bool | None = None) -> np.ndarray:
+        """upet's: the forces [n, 3, K] (eV/Å) of each LLPR ensemble member on ``atoms``
+        (default: the last calculated structure), net force removed per member. In the
+        conservative regime, -dE_k/dx of metatrain's energy ensemble: one forward pass and
+        a backward pass per independent direction of the ensemble's weights
+        (:mod:`ase_tcfp32._uncertainty`), in the calculator's precision. The
+        non-conservative regime (``non_conservative=True``, or a calculator reading the
+        direct forces) needs an ensemble of the direct head: ``NotImplementedError``
+        otherwise, as in upet."""
+        self._ensemble_regime("forces", non_conservative)
+        atoms = self._resolve(atoms)
+        self.check_atoms(atoms, ["forces"])
+        return self._compute([atoms], ("energy", "forces_ensemble"))[0]["forces_ensemble"]
+
+    def get_forces_uncertainty(self, atoms: Atoms | None = None, non_conservative: bool | None = None) -> np.ndarray:
+        """upet's: the standard deviation [n, 3] (eV/Å) of :meth:`get_forces_ensemble`."""
+        return self.get_forces_ensemble(atoms, non_conservative).std(axis=-1)
+
+    def get_stress_ensemble(
+        self, atoms: Atoms | None = None, voigt: bool = True, non_conservative: bool | None = None
+    ) -> np.ndarray:
+        """upet's: the stress of each LLPR ensemble member on ``atoms`` (3D-periodic; default:
+        the last calculated), eV/Å³ in ASE's sign: [6, K] in Voigt order, or [3, 3, K] with
+        ``voigt=False``. Regimes as :meth:`get_forces_ensemble` (the conservative one: the
+        strain derivatives of the energy ensemble over the volume)."""
+        self._ensemble_regime("stress", non_conservative)
+        atoms = self._resolve(atoms)
+        self.check_atoms(atoms, ["stress"])
+        members = self._compute([atoms], ("energy", "stress_ensemble"))[0]["stress_ensemble"]
+        return _uncertainty.voigt(members) if voigt else members
+
+    def get_stress_uncertainty(
+        self, atoms: Atoms | None = None, voigt: bool = True, non_conservative: bool | None = None
+    ) -> np.ndarray:
+        """upet's: the standard deviation of :meth:`get_stress_ensemble` (eV/Å³): [6], or
+        [3, 3] with ``voigt=False``."""
+        return self.get_stress_ensemble(atoms, voigt, non_conservative).std(axis=-1)
+
+    def _ensemble_regime(self, quantity: str, non_conservative: bool | None) -> None:
+        """upet's rule for the ``quantity`` (``"forces"`` or ``"stress"``) ensemble: the direct
+        head's where the calculator reads that head or the call asks for it, else the
+        gradients of the energy ensemble; ``NotImplementedError`` where the model lacks it."""
+        if non_conservative not in (None, True, False):
+            raise ValueError(f"non_conservative is None, True or False, not {non_conservative!r}")
+        direct = self._direct_forces if quantity == "forces" else self._direct_stress
+        name = "force" if quantity == "forces" else "stress"
+        problem = _uncertainty.unavailable(name, direct or bool(non_conservative), self._llpr, self._direct_ensembles)
+        if problem is not None:
+            raise NotImplementedError(problem)
+
+    def _resolve(self, atoms: Atoms | None) -> Atoms:
+        """``atoms``, or the last calculated structure (upet's default)."""
+        atoms = atoms if atoms is not None else self.atoms
+        if atoms is None:
+            raise ValueError("no atoms given and none calculated yet")
+        return atoms
+
     def _llpr_inputs(self, atoms: Atoms | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The energy head's last-layer features [n, F] and the per-atom energies [n] of
         ``atoms`` (default: the last calculated), float64."""
@@ -417,9 +525,7 @@ class TCPETCalculator(Calculator):
                 "this model carries no LLPR uncertainty: PET-MAD releases and the bundled demo model do "
                 "(see docs/upet.md)"
             )
-        atoms = atoms if atoms is not None else self.atoms
-        if atoms is None:
-            raise ValueError("no atoms given and none calculated yet")
+        atoms = self._resolve(atoms)
         self.check_atoms(atoms, ["energy"])
         result = self._compute([atoms], ("energy", "energies", "energy_features"))[0]
         return torch.from_numpy(result["energy_features"]), torch.from_numpy(np.asarray(result["energies"]))
@@ -452,7 +558,4 @@ class TCPETCalculator(Calculator):
         if atoms is not None:
             self.check_atoms(atoms, list(properties))
         super().calculate(atoms, properties, system_changes)
-        if self.rotational_average_order:
-            self.results = self._averaged(self.atoms, properties)
-        else:
-            self.results = self._compute([self.atoms], properties)[0]
+        self.results = self._checked([self.atoms], properties)[0]

@@ -1,0 +1,44 @@
+"""A batched evaluation's results, structure by structure, as the engines return them.
+
+The lean engine computes all structures of a call at once: per-atom quantities for all
+their atoms one after another, per-structure ones in a row each. :func:`per_structure`
+splits them into one dict per structure, in ASE's conventions (float64 numpy arrays, the
+strain derivatives over each 3D-periodic structure's volume as stress).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from ase import Atoms
+
+PER_ATOM = (
+    "energies",
+    "forces",
+    "non_conservative_forces",
+    "energy_features",
+    "energy_uncertainty",
+    "energy_ensemble_forces",
+)
+"""Results with one row per atom (their first axis runs over all atoms of the call)."""
+
+STRESSES = {"virial": "stress", "energy_ensemble_virial": "energy_ensemble_stress"}
+"""Strain derivatives (eV) per structure, and the name of each over the volume (eV/Å³)."""
+
+
+def per_structure(host: dict[str, np.ndarray], structures: list[Atoms]) -> list[dict]:
+    """One dict per structure of ``structures`` from ``host``, the engine's float64 arrays for
+    the whole call: ``energy`` [S] as floats, :data:`PER_ATOM` arrays split by structure,
+    and for each 3D-periodic structure the :data:`STRESSES` (over its volume) and
+    ``non_conservative_stress`` [S, 3, 3] (already a stress)."""
+    ends = np.cumsum([len(atoms) for atoms in structures])[:-1]
+    per_atom = {key: np.split(host[key], ends) for key in PER_ATOM if key in host}
+    results = []
+    for k, atoms in enumerate(structures):
+        result = {"energy": float(host["energy"][k]), **{key: value[k] for key, value in per_atom.items()}}
+        if atoms.pbc.all():
+            volume = atoms.get_volume()
+            result.update({name: host[key][k] / volume for key, name in STRESSES.items() if key in host})
+            if "non_conservative_stress" in host:
+                result["non_conservative_stress"] = host["non_conservative_stress"][k]
+        results.append(result)
+    return results
