@@ -63,9 +63,9 @@ def pieces_for(pet: torch.nn.Module, device: torch.device, piece_atoms: int | No
     return Pieces(largest_system(pet, memory, low_memory), size, keep)
 
 
-PIECES = 0.344e6 / 1.611e6
+PIECES = 0.359e6 / 1.611e6
 """Peak bytes per atom of an evaluation in pieces against a whole one's (default settings,
-PET-S shape: 107.0 GB at 311,040 water atoms on an H200, which 466,560 did not fit in;
+PET-S shape: 111.7 GB at 311,040 water atoms on an H200, which 466,560 did not fit in;
 ``python benchmarks/pieces.py``)."""
 
 

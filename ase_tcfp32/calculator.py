@@ -128,10 +128,10 @@ class TCPETCalculator(Calculator):
         forces on large systems, one extra forward pass of the GNN layers per step.
     :param piece_atoms: evaluate systems of more atoms than this in pieces of this many,
         one GNN layer at a time (:mod:`ase_tcfp32._layerwise`: results equal the whole
-        evaluation's to rounding; ~5x the largest system that fits whole, at the cost of
-        one more forward pass of all GNN layers but the last); 0: never. Default: on a GPU,
-        the systems too large to fit whole (estimated from measured memory per atom,
-        docs/scaling.md), in pieces sized from the GPU's memory.
+        evaluation's to rounding; ~4x the largest system that fits whole, at 1.5-1.8x its
+        cost per atom); 0: never. Default: on a GPU, the systems too large to fit whole
+        (estimated from measured memory per atom, docs/scaling.md), in pieces sized from
+        the GPU's memory.
     :param engine: ``"auto"`` (default: the fastest for the device and system, see
         :func:`ase_tcfp32._engines.choose_engine`; ``repr(calc)`` says what it picked and why),
         ``"metatomic"`` (metatomic-ase's calculator around the model), ``"lean"`` (the
