@@ -367,6 +367,7 @@ def run(
     precision: str = "auto",
     device: str | None = None,
     engine: str = "auto",
+    piece_atoms: int | None = None,
     variables: dict | None = None,
     log: str = "log.lammps",
 ) -> LAMMPSForces:
@@ -379,6 +380,8 @@ def run(
     :param device: ``"cpu"``, ``"cuda"`` (each rank on its node's GPU number rank mod GPUs),
         ``"cuda:N"``; default CUDA where available. On a CPU, each rank gets an equal share
         of the node's cores unless ``OMP_NUM_THREADS`` says otherwise.
+    :param piece_atoms: the calculator's ``piece_atoms`` (a rank's domain and halo evaluated
+        in pieces past that many atoms; default: past what fits whole on a GPU).
     :param variables: LAMMPS ``-var`` values (strings).
     """
     import lammps
@@ -395,7 +398,9 @@ def run(
         node = comm.Split_type(MPI.COMM_TYPE_SHARED)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // node.size))
     device = _device(device, comm)
-    calculator = TCPETCalculator(model, precision=precision, device=device, engine=engine, progress=False)
+    calculator = TCPETCalculator(
+        model, precision=precision, device=device, engine=engine, piece_atoms=piece_atoms, progress=False
+    )
     arguments = ["-log", log]
     for key, value in (variables or {}).items():
         arguments += ["-var", str(key), str(value)]
@@ -446,6 +451,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--precision", default="auto", choices=("auto",) + PRECISIONS)
     parser.add_argument("--device", default=None, help="cpu, cuda (a GPU per rank on each node) or cuda:N")
     parser.add_argument("--engine", default="auto", choices=ENGINES)
+    parser.add_argument("--piece-atoms", type=int, default=None, help="evaluate in pieces past this many atoms")
     parser.add_argument("--var", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"), help="LAMMPS -var")
     parser.add_argument("--log", default="log.lammps", help="LAMMPS log file ('none': no log)")
     args = parser.parse_args(argv)
@@ -462,6 +468,7 @@ def main(argv: list[str] | None = None) -> None:
             precision=args.precision,
             device=args.device,
             engine=args.engine,
+            piece_atoms=args.piece_atoms,
             variables=dict(args.var),
             log=args.log,
         )
