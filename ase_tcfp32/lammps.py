@@ -423,12 +423,12 @@ def run(
 
 def _abort(comm, message: str) -> None:
     """Say ``message`` on standard error and end every rank (exit status 1). Rank 0 says it
-    at once; another rank after 2 s, unless rank 0, failing too, has ended the run by then
+    at once; another rank after 5 s, unless rank 0, failing too, has ended the run by then
     (an error every rank meets is said once)."""
     import time
 
     if comm.rank > 0:
-        time.sleep(2.0)
+        time.sleep(5.0)
     where = f" (rank {comm.rank})" if comm.size > 1 else ""
     sys.stderr.write(f"ase-tcfp32 lammps{where}: error: {message}\n")
     sys.stderr.flush()
