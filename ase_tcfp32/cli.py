@@ -92,6 +92,7 @@ def _ipi_driver(args) -> None:
             engine=args.engine,
             neighbor_skin=args.neighbor_skin,
             non_conservative=args.non_conservative,
+            uncertainty_threshold=args.uncertainty_threshold,
             verbose=args.verbose,
         )
     except ValueError as error:  # a bad option or template, said before anything is served
@@ -292,6 +293,11 @@ def main(argv: list[str] | None = None) -> None:
         default="false",
         choices=("true", "forces", "stress", "false"),
         help="direct forces and stress (alone: both; or forces, stress): the direct forcefield of ipi.mts_input",
+    )
+    driver.add_argument(
+        "--uncertainty-threshold",
+        default="0.1",
+        help="warn past this LLPR energy uncertainty per atom, eV (default 0.1, as upet; none: no check)",
     )
     driver.add_argument("--verbose", action="store_true")
     driver.set_defaults(func=_ipi_driver)

@@ -20,6 +20,8 @@ last structure (sent before enough requests were queued) goes, without its copie
 second calculator per device that records no CUDA graphs (:meth:`TCPETDriver.compute`).
 ``non_conservative`` (``true``, ``forces`` or ``stress``: :func:`non_conservative_option`)
 reads the model's direct heads: the direct forcefield of multiple time stepping (:func:`mts_input`).
+``uncertainty_threshold`` (eV per atom, or ``none``) is the calculator's: past it, the
+driver warns which atoms' LLPR energy uncertainty is above it (default 0.1, as upet).
 Units and conventions are i-PI's: atomic units, the cell's lattice vectors as columns, and
 the virial ``-dE/dstrain`` (``-stress * volume``) in Hartree.
 """
@@ -225,6 +227,17 @@ def non_conservative_option(value: str | bool) -> bool | str:
     return names[key]
 
 
+def threshold_option(value: str | float | None) -> float | None:
+    """The driver's ``uncertainty_threshold`` option (text from i-PI): eV per atom, or
+    ``none`` (no check), as :class:`TCPETCalculator` takes it."""
+    if value is None or str(value).lower() == "none":
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"the tcpet driver's uncertainty_threshold is eV per atom or none, not {value!r}") from None
+
+
 def driver_script() -> str:
     """i-PI's Python driver launcher, ``i-pi-py_driver``: on the PATH, or next to this Python."""
     return shutil.which("i-pi-py_driver") or str(Path(sys.executable).parent / "i-pi-py_driver")
@@ -370,12 +383,13 @@ class TCPETDriver(Dummy_driver):
         engine: str = "auto",
         neighbor_skin: str | float | None = None,
         non_conservative: str | bool = False,
+        uncertainty_threshold: str | float | None = 0.1,
         *args,
         **kwargs,
     ):
         self.template_file, self.model, self.precision = str(template), str(model), str(precision)
         self.device, self.engine, self.neighbor_skin = device, str(engine), neighbor_skin
-        self.non_conservative = non_conservative
+        self.non_conservative, self.uncertainty_threshold = non_conservative, uncertainty_threshold
         super().__init__(*args, **kwargs)  # calls check_parameters()
 
     def check_parameters(self) -> None:
@@ -386,7 +400,7 @@ class TCPETDriver(Dummy_driver):
         if self.args:
             raise ValueError(f"the tcpet driver takes key=value options only, not {self.args!r}")
         if self.kwargs:
-            known = "template, model, precision, device, engine, neighbor_skin, non_conservative"
+            known = "template, model, precision, device, engine, neighbor_skin, non_conservative, uncertainty_threshold"
             raise ValueError(f"unknown tcpet driver option(s) {', '.join(self.kwargs)}; known: {known}")
         try:
             self.template = ase.io.read(self.template_file)
@@ -403,6 +417,7 @@ class TCPETDriver(Dummy_driver):
         )
         self._skin = skin
         self._non_conservative = non_conservative_option(self.non_conservative)
+        self._threshold = threshold_option(self.uncertainty_threshold)
         self.calculators = self._calculators(self.engine, skin, "calculators")
         self.calculators[0].check_atoms(self.template, ["energy", "forces"])
         self._short: list | None = None  # the calculators of batches short of requests, made when one comes
@@ -424,6 +439,7 @@ class TCPETDriver(Dummy_driver):
                 engine=engine,
                 neighbor_skin=skin,
                 non_conservative=self._non_conservative,
+                uncertainty_threshold=self._threshold,
             )
             for d in self._devices
         ]

@@ -112,3 +112,19 @@ def test_the_driver_option_non_conservative_reaches_the_calculator(tmp_path):
         atexit.unregister(driver._report)
     with pytest.raises(ValueError, match="non_conservative is true, forces, stress or false, not 'yes'"):
         TCPETDriver(**options, non_conservative="yes")
+
+
+def test_the_driver_option_uncertainty_threshold_reaches_the_calculator(tmp_path):
+    """eV per atom as text, or none; anything else a clear error before anything is served."""
+    import atexit
+
+    from ase_tcfp32.ipi import TCPETDriver
+
+    ase.io.write(tmp_path / "water.xyz", water_box(8, seed=0))
+    options = dict(template=str(tmp_path / "water.xyz"), model=str(random_checkpoint("tiny", seed=3)), device="cpu")
+    for text, value in (("0.7", 0.7), ("None", None), (None, None)):
+        driver = TCPETDriver(**options, precision="fp32", uncertainty_threshold=text)
+        assert driver.calculators[0].uncertainty_threshold == value
+        atexit.unregister(driver._report)
+    with pytest.raises(ValueError, match="uncertainty_threshold is eV per atom or none, not 'high'"):
+        TCPETDriver(**options, uncertainty_threshold="high")
