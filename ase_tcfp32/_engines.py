@@ -115,6 +115,7 @@ def make_engine(
     packed: bool = False,
     heads: Heads | None = None,
     piece_atoms: int | None = 0,
+    check_consistency: bool = False,
     llpr: LLPR | None = None,
 ) -> tuple[Engine, str, str]:
     """The engine ``engine`` (one of :data:`ENGINES`) for the prepared ``pet`` on ``device``,
@@ -130,6 +131,8 @@ def make_engine(
     :param piece_atoms: evaluate large systems in pieces, one GNN layer at a time, on packed
         rows (:func:`ase_tcfp32._memory.pieces_for`: None automatic, 0 never, N > 0 above N
         atoms); lean engines only.
+    :param check_consistency: metatomic's checks of the model's inputs and outputs (the
+        metatomic engine; the calculator checks the lean engines', :mod:`ase_tcfp32._consistency`).
     :param llpr: the energy's LLPR, for :data:`ase_tcfp32._uncertainty.LLPR_OUTPUTS` (None: the
         model has none).
     """
@@ -143,7 +146,8 @@ def make_engine(
             raise ValueError(f"piece_atoms={piece_atoms}: pieces are evaluated by the lean engines, not 'metatomic'")
         from ._metatomic import MetatomicEngine
 
-        return MetatomicEngine(pet, device, skin, heads.variants if heads else None, llpr), used, reason
+        variants = heads.variants if heads else None
+        return MetatomicEngine(pet, device, skin, variants, llpr, check_consistency), used, reason
     graph_atoms, large_skin = (sys.maxsize if used == "graphs" else 0), None
     if replays:
         graph_atoms, large_skin = GRAPH_ATOMS, (LARGE_SKIN if neighbor_skin is None else neighbor_skin)

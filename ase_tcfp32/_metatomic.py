@@ -43,6 +43,7 @@ class MetatomicEngine:
         skin: float,
         variants: dict | None = None,
         llpr: LLPR | None = None,
+        check_consistency: bool = False,
     ):
         import_dependencies(metatomic_ase=True)
         from metatomic.torch import ModelOutput
@@ -63,12 +64,13 @@ class MetatomicEngine:
                 non_conservative=non_conservative,
                 uncertainty_threshold=None,
                 neighbor_skin=skin,
+                check_consistency=check_consistency,
                 additional_outputs=features if non_conservative is False else None,
             )
 
         self._calculator = calculator
         self.calculator = calculator(False)
-        self.model, self.variants, self.skin = model, variants, skin
+        self.model, self.variants, self.skin, self.check_consistency = model, variants, skin, check_consistency
         self._neighbor_lists = None  # vesin's calculators for the weighted path, made when first asked
         self._direct: dict = {}  # non_conservative setting -> its calculator, made when first asked
 
@@ -145,7 +147,7 @@ class MetatomicEngine:
             options = ModelEvaluationOptions(
                 length_unit="angstrom", outputs={key: ModelOutput(unit="eV", sample_kind="atom")}
             )
-            block = model([system], options, check_consistency=False)[key].block()
+            block = model([system], options, check_consistency=self.check_consistency)[key].block()
             energies = torch.zeros(len(atoms), dtype=torch.float64, device=parameter.device)
             energies = energies.index_add(0, block.samples.column("atom"), block.values[:, 0].double())
             energy = (energies * torch.from_numpy(weights).to(energies)).sum()

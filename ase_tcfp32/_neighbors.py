@@ -187,6 +187,20 @@ def build_pairs(
     )
 
 
+def missing_pairs(pairs: Pairs, batch: Structures, cutoff: float) -> int:
+    """How many of the pairs within ``cutoff`` (Å) of the structures ``batch``, searched
+    afresh (vesin, on the CPU), the candidate ``pairs`` lack: 0 where they are complete."""
+    positions = torch.from_numpy(batch.positions)
+    fresh = build_pairs(positions, batch.cells, batch.pbcs, batch.sizes, cutoff, 0)
+
+    def keys(found: Pairs) -> set:
+        valid = found.valid.cpu()
+        columns = (found.centers.cpu()[valid, None], found.neighbors.cpu()[valid, None], found.shifts.cpu()[valid])
+        return set(map(tuple, torch.cat(columns, dim=1).tolist()))
+
+    return len(keys(fresh) - keys(pairs))
+
+
 class PairTerms(torch.autograd.Function):
     """``y_k = x[j_k] + sign * x[i_k]`` for atom values x [N, ...] and pairs i -> j sorted
     by center atom, each with its reverse pair (j -> i; the padding pairs, center 0, are

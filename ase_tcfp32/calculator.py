@@ -22,7 +22,7 @@ from ase.calculators.calculator import Calculator, PropertyNotImplementedError, 
 from ase.data import chemical_symbols
 from ase.stress import full_3x3_to_voigt_6_stress
 
-from . import _rotations, _uncertainty, watchdog
+from . import _consistency, _rotations, _uncertainty, watchdog
 from ._engines import DIRECT, PROPERTIES, check_engine, make_engine
 from ._heads import FORCE, LLPR, STRESS, Heads
 from ._memory import out_of_memory_message
@@ -110,6 +110,10 @@ class TCPETCalculator(Calculator):
         LLPR uncertainty, every energy calculation (``calculate``, :meth:`evaluate`) warns
         when an atom's energy uncertainty exceeds this many eV, naming the atoms (default
         0.1; read in the same forward pass). ``None``: no check. Ignored for other models.
+    :param check_consistency: as in upet and metatomic-ase, for debugging: every evaluation
+        checks its inputs and outputs (:mod:`ase_tcfp32._consistency`: the neighbor list
+        against a fresh search, results finite and of their shapes; metatomic's own checks
+        in the metatomic engine) and raises where they are wrong. Slower.
     :param precision: ``"auto"``, ``"fp32"``, ``"tf32"``, ``"tf32x3"``, ``"fp16x3"`` or ``"bf16x9"``
         (see :mod:`ase_tcfp32.precision`).
     :param device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``; default CUDA when available.
@@ -165,6 +169,7 @@ class TCPETCalculator(Calculator):
         *,
         non_conservative: bool | str = False,
         uncertainty_threshold: float | None = 0.1,
+        check_consistency: bool = False,
         precision: str = "auto",
         device: str | torch.device | None = None,
         emulate: str | None = None,
@@ -184,6 +189,9 @@ class TCPETCalculator(Calculator):
             raise TypeError(f"variants is a dict such as {{'energy': 'r2scan'}}, not {variants!r}")
         _rotations.check(rotational_average_order, rotational_average_batch_size)
         self.uncertainty_threshold = _uncertainty.check_threshold(uncertainty_threshold)
+        if not isinstance(check_consistency, bool):
+            raise TypeError(f"check_consistency is True or False, not {check_consistency!r}")
+        self.check_consistency = check_consistency
         self.rotational_average_order = rotational_average_order or None  # 0 or None: no averaging, as upet
         self.rotational_average_batch_size = rotational_average_batch_size
         self.non_conservative = non_conservative
@@ -254,6 +262,7 @@ class TCPETCalculator(Calculator):
             packed=ours,
             heads=heads,
             piece_atoms=piece_atoms,
+            check_consistency=check_consistency,
             llpr=self._llpr,
         )
         if isinstance(model, torch.nn.Module):
@@ -404,6 +413,8 @@ class TCPETCalculator(Calculator):
         wanted = self._engine_properties(properties, any(atoms.pbc.all() for atoms in structures))
         with self._evaluating(sum(map(len, structures))):
             results = self._engine.compute(structures, wanted)
+        if self.check_consistency:
+            _consistency.check(self._engine, structures, results)
         for result in results:
             for name, direct, used in (
                 ("forces", DIRECT[0], self._direct_forces),
