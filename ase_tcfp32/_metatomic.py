@@ -127,8 +127,9 @@ class MetatomicEngine:
         from ._neighbors import model_neighbor_lists
 
         model = self.model
-        if model.requested_inputs():
-            raise ValueError(f"weighted energies need a model without extra inputs ({list(model.requested_inputs())})")
+        extra = list(model.requested_inputs(use_new_names=True))
+        if extra:
+            raise ValueError(f"weighted energies need a model without extra inputs ({extra})")
         if self._neighbor_lists is None:
             self._neighbor_lists = model_neighbor_lists(model, self.skin)
         key = pick_output("energy", model.capabilities().outputs, (self.variants or {}).get("energy"))
