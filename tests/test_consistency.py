@@ -38,3 +38,16 @@ def test_a_stale_neighbor_list_is_caught(monkeypatch):
 def test_bad_values_are_refused():
     with pytest.raises(TypeError, match="check_consistency is True or False"):
         calculator(check_consistency="yes")
+
+
+@pytest.mark.gpu
+def test_checked_evaluations_on_the_gpu():
+    """The lean engine's list lives on the GPU (and its step in a CUDA graph): the check reads
+    it back and passes for a correct list, in MD-like repeated calls."""
+    atoms = water_box(64, seed=3)
+    calc = TCPETCalculator("pet-demo-chgnet", device="cuda", progress=False, check_consistency=True)
+    atoms.calc = calc
+    for _ in range(3):
+        atoms.positions += np.random.default_rng(0).normal(scale=0.05, size=atoms.positions.shape)
+        assert np.isfinite(atoms.get_forces()).all()
+    assert calc._engine.cuda_graphs

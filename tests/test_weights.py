@@ -67,3 +67,26 @@ def test_weighted_results_agree_between_engines_and_ones_give_the_plain_ones(eng
     assert ones["energy"] == pytest.approx(plain["energy"], abs=1e-10)
     assert np.abs(ones["forces"] - plain["forces"]).max() < 1e-12
     assert np.abs(ones["stress"] - plain["stress"]).max() < 1e-13
+
+
+@pytest.mark.gpu
+def test_weights_through_replayed_cuda_graphs_and_pieces(engines):
+    """A rank's cluster on the GPU: the weights are an input of the recorded CUDA graph
+    (changed between replays, as owned atoms change) and of the evaluation in pieces; the
+    default precision within FP32's error of the float64 results."""
+    atoms = water_box(64, seed=6)
+    atoms.pbc = False
+    rng = np.random.default_rng(1)
+    graphs = TCPETCalculator("pet-demo-chgnet", device="cuda", progress=False, uncertainty_threshold=None)._engine
+    pieces = TCPETCalculator(
+        "pet-demo-chgnet", device="cuda", progress=False, uncertainty_threshold=None, piece_atoms=50
+    )._engine
+    for _ in range(3):
+        weights = (rng.uniform(size=len(atoms)) < 0.5).astype(float)
+        exact = engines["lean"].compute([atoms], {"energy", "forces"}, weights=[weights])[0]
+        scale = np.abs(exact["forces"]).max()
+        for engine in (graphs, pieces):
+            result = engine.compute([atoms], {"energy", "forces"}, weights=[weights])[0]
+            assert result["energy"] == pytest.approx(exact["energy"], rel=1e-5)
+            assert np.abs(result["forces"] - exact["forces"]).max() <= 1e-4 * scale
+    assert graphs.cuda_graphs and graphs.recordings == 1
