@@ -156,18 +156,19 @@ class _Pieces(torch.autograd.Function):
                 predictions[k].append(prediction)
                 if piece_features is not None:
                     found.append(piece_features)
-        ctx.backend, ctx.packed, ctx.names, ctx.plan = backend, packed, names, plan
-        ctx.kept, ctx.top = kept, (nodes, out, edges)
+        ctx.backend, ctx.packed, ctx.names, ctx.plan, ctx.features = backend, packed, names, plan, features
+        ctx.kept, ctx.top = kept, (nodes, out, edges)  # kept through repeated backward passes (the LLPR's)
         outputs = [torch.cat(p) for p in predictions] + ([torch.cat(found)] if features else [])
-        ctx.mark_non_differentiable(*outputs[1:])
+        ctx.mark_non_differentiable(*outputs[1 : len(names)])  # the direct heads
+        ctx.set_materialize_grads(False)
         return tuple(outputs)
 
     @staticmethod
-    def backward(ctx, grad, *_):
+    def backward(ctx, grad, *others):
         backend, packed, plan = ctx.backend, ctx.packed, ctx.plan
         norms, mlps, layers = backend.combination_norms, backend.combination_mlps, backend.gnn_layers
         nodes, out, edges = ctx.top
-        ctx.top = None
+        grad_features = others[-1] if ctx.features else None  # the first target's features (the LLPR's)
         geometry = [torch.zeros_like(t) for t in (packed.vectors, packed.distances, packed.factors)]
         grad_out = torch.zeros_like(out)  # dE/do of the layer in hand
         grad_edges = torch.zeros_like(out)  # dE/d(that layer's input messages)
@@ -183,8 +184,12 @@ class _Pieces(torch.autograd.Function):
                 top_nodes, o, o_reverse, below, factors = leaves
                 top = below + o + mlps[-1](norms[-1](torch.cat([o, o_reverse], dim=-1)))
                 local = _rows(packed, piece, None, None, factors)
-                prediction, _ = readout(backend, ctx.names[0], top_nodes, top, local.factors, local.real, local.centers)
-                grads = torch.autograd.grad(prediction, leaves, grad[a:b])
+                found = readout(
+                    backend, ctx.names[0], top_nodes, top, local.factors, local.real, local.centers, ctx.features
+                )
+                values, given = zip(*[(v, g[a:b]) for v, g in zip(found, (grad, grad_features)) if g is not None])
+                grads = torch.autograd.grad(values, leaves, given, allow_unused=True)
+                grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
                 grad_nodes[a:b], grad_edges[r0:r1] = grads[0], grads[3]
                 grad_out[r0:r1] += grads[1]
                 grad_out.index_add_(0, reverse, grads[2])
@@ -192,7 +197,7 @@ class _Pieces(torch.autograd.Function):
             del out, edges
             for k in reversed(range(len(layers))):
                 layer = _inner(layers[k])
-                (nodes, edges, out), ctx.kept[k] = ctx.kept[k], None  # freed once this layer is done
+                nodes, edges, out = ctx.kept[k]
                 if edges is None:
                     edges = backend.edge_embedder(packed.neighbor_species)
                 if k + 1 < len(layers):  # this layer's combination, backward: dE/do from dE/d(next messages)
@@ -228,7 +233,6 @@ class _Pieces(torch.autograd.Function):
                         grad_below[a:b] = grads[3]
                         grad_edges[r0:r1] += grads[4]
                 grad_nodes = grad_below
-        ctx.kept = None
         return (*geometry, None, None, None, None, None, None)
 
 

@@ -146,3 +146,17 @@ def test_pieces_on_the_gpu_are_as_accurate_as_the_whole_evaluation(precision):
         whole = np.abs(np.asarray(results["whole"][key]) - exact[key]).max()
         parts = np.abs(np.asarray(results["pieces"][key]) - exact[key]).max()
         assert parts <= 2 * whole + 16 * EPS32 * scale, (key, parts, whole)
+
+
+def test_the_llpr_force_and_stress_ensembles_in_pieces():
+    """The ensembles differentiate the last-layer features once per direction of the
+    ensemble's weights: through the pieces' backward pass, repeated, as through the whole one."""
+    atoms = water_box(8, seed=1)
+    results = []
+    for piece_atoms in (0, 7):
+        calc = TCPETCalculator(
+            "pet-demo-chgnet", dtype="float64", device="cpu", piece_atoms=piece_atoms, progress=False
+        )
+        results.append((calc.get_forces_ensemble(atoms), calc.get_stress_ensemble(atoms)))
+    for whole, parts in zip(*results):
+        assert np.abs(whole - parts).max() <= 1e3 * EPS64 * np.abs(whole).max()
