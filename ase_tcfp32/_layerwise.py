@@ -22,15 +22,17 @@ memory between them:
   combination's backward.
 
 At the peak (the top layer's backward) the system holds its kept rows [R, d] five times
-over for three GNN layers (PET-S: d = 256; water keeps ~30 rows per atom: ~150 KB per
+over for three GNN layers (PET-S: d = 256; water keeps ~32 rows per atom: ~160 KB per
 atom) plus its candidate pairs; the pieces' own activations are bounded by their size.
 The price: every layer runs forward once more, with gradients, in the backward pass, and
 each layer below the top one a third time for its outputs (a whole evaluation runs each
 layer forward once and backward once); where memory allows (:class:`Pieces`' ``keep``),
 those outputs are kept from the forward pass instead (two more per-pair tensors with three
-GNN layers). Results are the whole evaluation's to
-rounding: the same modules on the same rows, summed in another order
-(``tests/test_layerwise.py``).
+GNN layers). What the forward pass keeps stays until the graph is released, so that the
+backward pass can run again (the LLPR's force ensembles differentiate the energy head's
+last-layer features once per direction of the ensemble's weights); the peak is the top
+layer's backward either way. Results are the whole evaluation's to rounding: the same
+modules on the same rows, summed in another order (``tests/test_layerwise.py``).
 """
 
 from __future__ import annotations
