@@ -42,6 +42,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from . import _progress as progress
 from ._heads import readout
 from ._kernels.attention import Sequences
 from ._packed import Packed, _gnn_layer, _inner
@@ -101,11 +102,20 @@ def _rows(packed: Packed, piece: Piece, vectors, distances, factors) -> Packed:
     )
 
 
-def _layer(gnn_layer, nodes, edges, packed: Packed, plan: list[Piece]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One GNN layer over every piece, without gradients: node features [N, d_node] and
-    output messages [R, d] (zero in the rows no piece holds: the padding rows)."""
+def _each(plan: list[Piece], what: str):
+    """The pieces of ``plan``, each named in the progress line of a long evaluation
+    (:mod:`ase_tcfp32._progress`) while it is in hand."""
+    for number, piece in enumerate(plan, 1):
+        with progress.doing(f"{what}, piece {number} of {len(plan)}"):
+            yield piece
+
+
+def _layer(gnn_layer, nodes, edges, packed: Packed, plan: list[Piece], what: str):
+    """One GNN layer over every piece, without gradients (``what`` it is for, in words): node
+    features [N, d_node] and output messages [R, d] (zero in the rows no piece holds: the
+    padding rows)."""
     out_nodes, out = None, torch.zeros_like(edges)
-    for piece in plan:
+    for piece in _each(plan, what):
         a, b, r0, r1 = piece
         rows = _rows(packed, piece, packed.vectors[r0:r1], packed.distances[r0:r1], packed.factors[r0:r1])
         new_nodes, out[r0:r1] = _gnn_layer(gnn_layer, nodes[a:b], edges[r0:r1], rows)
@@ -135,7 +145,7 @@ class _Pieces(torch.autograd.Function):
         kept = []  # each layer's inputs (nodes, messages; the first layer's recomputed) and, with keep, outputs
         for k, layer in enumerate(layers):
             inputs = (nodes, edges if k else None)
-            nodes, out = _layer(_inner(layer), nodes, edges, packed, plan)
+            nodes, out = _layer(_inner(layer), nodes, edges, packed, plan, f"GNN layer {k + 1}, forward")
             kept.append((*inputs, out if keep and k + 1 < len(layers) else None))
             if k + 1 < len(layers):
                 following = torch.empty_like(edges)
@@ -176,7 +186,7 @@ class _Pieces(torch.autograd.Function):
         grad_edges = torch.zeros_like(out)  # dE/d(that layer's input messages)
         grad_nodes = torch.empty_like(nodes)
         with torch.enable_grad():
-            for piece in plan:  # the readout and the top combination
+            for piece in _each(plan, "readout, backward"):  # the readout and the top combination
                 a, b, r0, r1 = piece
                 reverse = packed.reverse[r0:r1]
                 leaves = [
@@ -205,7 +215,7 @@ class _Pieces(torch.autograd.Function):
                 if k + 1 < len(layers):  # this layer's combination, backward: dE/do from dE/d(next messages)
                     if out is None:
                         with torch.no_grad():
-                            out = _layer(layer, nodes, edges, packed, plan)[1]
+                            out = _layer(layer, nodes, edges, packed, plan, f"GNN layer {k + 1}, outputs again")[1]
                     grad_out.zero_()
                     for piece in plan:
                         r0, r1 = piece.first, piece.last
@@ -217,7 +227,7 @@ class _Pieces(torch.autograd.Function):
                         grad_out.index_add_(0, reverse, grads[1])
                     del out
                 grad_below = torch.zeros_like(nodes) if k else None
-                for piece in plan:  # the layer again, piece by piece, with gradients
+                for piece in _each(plan, f"GNN layer {k + 1}, backward"):  # the layer again, with gradients
                     a, b, r0, r1 = piece
                     inputs = [packed.vectors[r0:r1], packed.distances[r0:r1], packed.factors[r0:r1]]
                     inputs += [nodes[a:b], edges[r0:r1]] if k else []

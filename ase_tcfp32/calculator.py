@@ -545,13 +545,18 @@ class TCPETCalculator(Calculator):
     def _evaluating(self, atoms: int) -> Iterator[None]:
         """Around every evaluation of ``atoms`` atoms: the model's device current, IEEE FP32
         matmuls, the watchdog's checks read once at the end, the progress line of the first
-        evaluation (:mod:`ase_tcfp32._progress`), and an out-of-memory error that says what fits."""
+        evaluation and of those in pieces (:mod:`ase_tcfp32._progress`), and an out-of-memory
+        error that says what fits."""
         self._evaluations += 1
         first = self._evaluations == 1 and self.progress
+        pieces = getattr(self._engine, "pieces", None)
         otherwise = "compiling GPU kernels on first use" if self.device.type == "cuda" else "evaluating"
-        shown_first = (
-            shown(f"ase-tcfp32: first evaluation ({atoms} atoms)", otherwise) if first else contextlib.nullcontext()
-        )
+        if first:
+            shown_first = shown(f"ase-tcfp32: first evaluation ({atoms} atoms)", otherwise)
+        elif self.progress and pieces is not None and atoms > pieces.above:  # long: seconds per call
+            shown_first = shown(f"ase-tcfp32: {atoms:,} atoms in pieces", "evaluating")
+        else:
+            shown_first = contextlib.nullcontext()
         on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         try:
             with shown_first, on_device, ieee_fp32_matmul(), watchdog.deferred():

@@ -3,6 +3,7 @@ evaluation's results to rounding, in float64 (same modules on the same rows, sum
 another order) and in FP32 (no more error against float64 than the whole evaluation has)."""
 
 import copy
+import re
 
 import numpy as np
 import pytest
@@ -160,3 +161,33 @@ def test_the_llpr_force_and_stress_ensembles_in_pieces():
         results.append((calc.get_forces_ensemble(atoms), calc.get_stress_ensemble(atoms)))
     for whole, parts in zip(*results):
         assert np.abs(whole - parts).max() <= 1e3 * EPS64 * np.abs(whole).max()
+
+
+def test_evaluations_in_pieces_say_how_far_they_are(pet64, water, monkeypatch, capsys):
+    """Every evaluation in pieces (seconds each on large systems), not only the first, shows
+    the progress line past progress.DELAY, naming the layer, the direction and the piece."""
+    import contextlib
+
+    from ase_tcfp32 import _progress as progress
+
+    named = []
+    doing = progress.doing
+
+    @contextlib.contextmanager
+    def recorded(what):
+        named.append(what)
+        with doing(what):
+            yield
+
+    monkeypatch.setattr(progress, "DELAY", 0.0)
+    monkeypatch.setattr(progress, "_live", lambda: False)  # plain lines, as in a log file
+    monkeypatch.setattr(progress, "doing", recorded)
+    water.calc = TCPETCalculator(copy.deepcopy(pet64), dtype="float64", device="cpu", piece_atoms=5)
+    water.get_forces()
+    capsys.readouterr()
+    water.positions += 0.01
+    named.clear()
+    water.get_forces()  # not the first: shown because it is in pieces
+    assert re.search(r"ase-tcfp32: 24 atoms in pieces: done in [\d.]+ s", capsys.readouterr().err)
+    for what in ("GNN layer 1, forward, piece 1 of 5", "GNN layer 2, backward, piece 5 of 5", "readout, backward"):
+        assert any(label.startswith(what) for label in named), (what, named)
