@@ -191,3 +191,20 @@ def test_evaluations_in_pieces_say_how_far_they_are(pet64, water, monkeypatch, c
     assert re.search(r"ase-tcfp32: 24 atoms in pieces: done in [\d.]+ s", capsys.readouterr().err)
     for what in ("GNN layer 1, forward, piece 1 of 5", "GNN layer 2, backward, piece 5 of 5", "readout, backward"):
         assert any(label.startswith(what) for label in named), (what, named)
+
+
+def test_a_relaxation_in_pieces_takes_the_whole_evaluations_path(pet64):
+    """FIRE, 15 steps, with the cell fixed: the same positions to float64 noise."""
+    from ase.optimize import FIRE
+
+    start = water_box(12, seed=7)
+    final = []
+    for piece_atoms in (0, 9):
+        atoms = start.copy()
+        atoms.calc = TCPETCalculator(
+            copy.deepcopy(pet64), dtype="float64", device="cpu", piece_atoms=piece_atoms, progress=False
+        )
+        FIRE(atoms, logfile=None).run(fmax=1e-3, steps=15)
+        final.append(atoms.positions.copy())
+    assert np.abs(final[0] - start.positions).max() > 1e-2  # it did move
+    assert np.abs(final[1] - final[0]).max() < 1e-9
