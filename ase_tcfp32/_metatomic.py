@@ -16,7 +16,7 @@ from ase.calculators.calculator import all_changes
 from ase.stress import voigt_6_to_full_3x3_stress
 
 from ._heads import LLPR
-from ._uncertainty import Uncertainty, metatomic_members
+from ._uncertainty import Uncertainty
 from .models import import_dependencies
 
 DIRECT = {"non_conservative_forces": "forces", "non_conservative_stress": "stress"}
@@ -71,7 +71,7 @@ class MetatomicEngine:
         self._calculator = calculator
         self.calculator = calculator(False)
         self.model, self.variants, self.skin, self.check_consistency = model, variants, skin, check_consistency
-        self._neighbor_lists = None  # vesin's calculators for the weighted path, made when first asked
+        self._neighbor_lists = None  # vesin's calculators for the systems built here, made when first asked
         self._direct: dict = {}  # non_conservative setting -> its calculator, made when first asked
 
     def compute(self, structures: list[Atoms], properties, weights: list | None = None) -> list[dict]:
@@ -102,7 +102,7 @@ class MetatomicEngine:
                     result["energy_uncertainty"] = self.uncertainty.atoms(features).cpu().numpy()
         if "energy_ensemble" in properties:
             for result, atoms in zip(results, structures):
-                members = metatomic_members(self.calculator, self.model, atoms, self.energy, self.uncertainty)
+                members = self._members(atoms)
                 result.update(
                     {key: value for key, value in members.items() if "stress" in properties or "forces" in key}
                 )
@@ -122,34 +122,22 @@ class MetatomicEngine:
         ``atoms``, and with ``"forces"`` / ``"stress"`` in ``properties`` its negative gradient
         ``forces`` [n, 3] (eV/Å) and strain derivative over the volume, ``stress`` [3, 3] (eV/Å³,
         3D-periodic ``atoms``): the exported model's per-atom energies, differentiated here."""
-        from metatomic.torch import ModelEvaluationOptions, ModelOutput, System, pick_output
-
-        from ._neighbors import model_neighbor_lists
+        from metatomic.torch import ModelEvaluationOptions, ModelOutput, pick_output
 
         model = self.model
         extra = list(model.requested_inputs(use_new_names=True))
         if extra:
             raise ValueError(f"weighted energies need a model without extra inputs ({extra})")
-        if self._neighbor_lists is None:
-            self._neighbor_lists = model_neighbor_lists(model, self.skin)
         key = pick_output("energy", model.capabilities().outputs, (self.variants or {}).get("energy"))
-        parameter = next(model.parameters())
         grad = "forces" in properties or "stress" in properties
         stress = "stress" in properties and bool(atoms.pbc.all())
-        positions = torch.tensor(atoms.positions, dtype=parameter.dtype, device=parameter.device, requires_grad=grad)
-        strain = torch.eye(3, dtype=parameter.dtype, device=parameter.device, requires_grad=stress)
-        cell = torch.tensor(atoms.cell.array * atoms.pbc[:, None], dtype=parameter.dtype, device=parameter.device)
-        pbc = torch.tensor(atoms.pbc, device=parameter.device)
-        types = torch.tensor(atoms.numbers, dtype=torch.int32, device=parameter.device)
+        system, positions, strain = self._system(atoms, grad, stress)
         with torch.set_grad_enabled(grad):
-            system = System(types, positions @ strain, cell @ strain, pbc)
-            for neighbors in self._neighbor_lists:
-                neighbors.add_neighbor_list(system)
             options = ModelEvaluationOptions(
                 length_unit="angstrom", outputs={key: ModelOutput(unit="eV", sample_kind="atom")}
             )
             block = model([system], options, check_consistency=self.check_consistency)[key].block()
-            energies = torch.zeros(len(atoms), dtype=torch.float64, device=parameter.device)
+            energies = torch.zeros(len(atoms), dtype=torch.float64, device=positions.device)
             energies = energies.index_add(0, block.samples.column("atom"), block.values[:, 0].double())
             energy = (energies * torch.from_numpy(weights).to(energies)).sum()
             gradients = torch.autograd.grad(energy, [positions, strain] if stress else [positions]) if grad else []
@@ -159,6 +147,52 @@ class MetatomicEngine:
         if stress:
             result["stress"] = gradients[1].double().cpu().numpy() / atoms.get_volume()
         return result
+
+    def _members(self, atoms: Atoms) -> dict:
+        """The LLPR energy ensemble's forces [n, 3, K] (eV/Å) and, for a 3D-periodic
+        structure, its stress [3, 3, K] (eV/Å³) of ``atoms``: the exported model evaluated
+        once for its energy and last-layer features on a :meth:`_system` whose positions and
+        strain autograd differentiates by, then :meth:`ase_tcfp32._uncertainty.Uncertainty.jacobians`."""
+        from metatomic.torch import ModelEvaluationOptions, ModelOutput
+
+        system, positions, strain = self._system(atoms, True, True)
+        outputs = {self.energy: ModelOutput(sample_kind="system"), self.FEATURES: ModelOutput(sample_kind="system")}
+        options = ModelEvaluationOptions(length_unit="angstrom", outputs=outputs)
+        with torch.enable_grad():
+            out = self.model([system], options, check_consistency=self.check_consistency)
+            inputs = [positions, strain]
+            energy_grads = torch.autograd.grad(out[self.energy].block().values.sum(), inputs, retain_graph=True)
+            jacobians = self.uncertainty.jacobians(out[self.FEATURES].block().values, inputs)
+        forces = -energy_grads[0].double()[..., None] - self.uncertainty.spread(jacobians[0])
+        result = {"energy_ensemble_forces": forces.cpu().numpy()}
+        if atoms.pbc.all():
+            virial = energy_grads[1].double()[..., None] + self.uncertainty.spread(jacobians[1])
+            result["energy_ensemble_stress"] = virial.cpu().numpy() / atoms.get_volume()
+        return result
+
+    def _system(self, atoms: Atoms, grad: bool, stress: bool) -> tuple:
+        """``atoms`` as a metatomic ``System`` in the exported model's dtype and on its device,
+        with the neighbor lists it asks for (vesin's, registered with autograd), built from
+        positions [n, 3] (Å) and a strain [3, 3] (the identity) that autograd differentiates
+        by where asked (``grad``: the positions, ``stress``: the strain): ``(system,
+        positions, strain)``, as metatomic-ase builds them for forces and stress."""
+        from metatomic.torch import System
+
+        from ._neighbors import model_neighbor_lists
+
+        if self._neighbor_lists is None:
+            self._neighbor_lists = model_neighbor_lists(self.model, self.skin)
+        parameter = next(self.model.parameters())
+        tensor = {"dtype": parameter.dtype, "device": parameter.device}
+        positions = torch.tensor(atoms.positions, **tensor, requires_grad=grad)
+        strain = torch.eye(3, **tensor, requires_grad=stress)
+        cell = torch.tensor(atoms.cell.array * atoms.pbc[:, None], **tensor)
+        types = torch.tensor(atoms.numbers, dtype=torch.int32, device=parameter.device)
+        with torch.set_grad_enabled(grad or stress):
+            system = System(types, positions @ strain, cell @ strain, torch.tensor(atoms.pbc, device=parameter.device))
+            for neighbors in self._neighbor_lists:
+                neighbors.add_neighbor_list(system)
+        return system, positions, strain
 
     def _features(self, atoms: Atoms, evaluated: bool) -> torch.Tensor:
         """The energy head's last-layer features [n, F] of ``atoms``: those of the

@@ -106,39 +106,6 @@ class Uncertainty:
         return result
 
 
-def metatomic_members(calculator, model, atoms, energy: str, uncertainty: Uncertainty) -> dict:
-    """The energy ensemble's forces [n, 3, K] (eV/Å) and, for a 3D-periodic structure, its
-    stress [3, 3, K] (eV/Å³) of ``atoms`` through metatomic: ``model`` (an exported PET on
-    metatomic-ase ``calculator``'s device, in its dtype) evaluated once for its ``energy``
-    output and last-layer features, with grad-enabled positions and strain as metatomic-ase
-    does for forces and stress (its neighbor lists registered with autograd), then
-    :meth:`Uncertainty.jacobians`."""
-    from metatomic.torch import ModelEvaluationOptions, ModelOutput, System
-
-    parameter = next(model.parameters())
-    device, dtype = parameter.device, parameter.dtype
-    positions = torch.tensor(atoms.positions, dtype=dtype, device=device, requires_grad=True)
-    strain = torch.eye(3, dtype=dtype, device=device, requires_grad=True)
-    pbc = torch.tensor(atoms.pbc, device=device)
-    cell = torch.tensor(atoms.cell.array * atoms.pbc[:, None], dtype=dtype, device=device)
-    types = torch.tensor(atoms.numbers, dtype=torch.int32, device=device)
-    system = System(types, positions @ strain, cell @ strain, pbc)
-    system = calculator._nl_calculators.compute(systems=[system])[0]  # metatomic-ase's own lists
-    name = "mtt::aux::energy_last_layer_features"
-    outputs = {energy: ModelOutput(sample_kind="system"), name: ModelOutput(sample_kind="system")}
-    with torch.enable_grad():
-        out = model([system], ModelEvaluationOptions(length_unit="angstrom", outputs=outputs), check_consistency=False)
-        inputs = [positions, strain]
-        energy_grads = torch.autograd.grad(out[energy].block().values.sum(), inputs, retain_graph=True)
-        jacobians = uncertainty.jacobians(out[name].block().values, inputs)
-    forces = -energy_grads[0].double()[..., None] - uncertainty.spread(jacobians[0])
-    result = {"energy_ensemble_forces": forces.cpu().numpy()}
-    if atoms.pbc.all():
-        virial = energy_grads[1].double()[..., None] + uncertainty.spread(jacobians[1])
-        result["energy_ensemble_stress"] = virial.cpu().numpy() / atoms.get_volume()
-    return result
-
-
 def voigt(ensemble: np.ndarray) -> np.ndarray:
     """A stress ensemble [3, 3, K] in Voigt order [6, K] (xx, yy, zz, yz, xz, xy), each
     off-diagonal the mean of the two it stands for (upet's conversion)."""
