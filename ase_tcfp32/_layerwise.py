@@ -125,10 +125,17 @@ def _layer(gnn_layer, nodes, edges, packed: Packed, plan: list[Piece], what: str
     return out_nodes, out
 
 
+def _combination(o: torch.Tensor, o_reverse: torch.Tensor, norm, mlp) -> torch.Tensor:
+    """What metatrain's message combination adds to a layer's input messages: the output
+    messages ``o`` [rows, d] and the combination of each with its reverse row's
+    ``o_reverse`` [rows, d]."""
+    return o + mlp(norm(torch.cat([o, o_reverse], dim=-1)))
+
+
 def _combined(edges, out, rows: slice, reverse, norm, mlp) -> torch.Tensor:
-    """The next layer's input messages of ``rows``: metatrain's message combination."""
-    o = out[rows]
-    return edges[rows] + o + mlp(norm(torch.cat([o, out[reverse[rows]]], dim=-1)))
+    """The next layer's input messages of ``rows``: the input messages ``edges`` [R, d] plus
+    :func:`_combination` of the output messages ``out`` [R, d]."""
+    return edges[rows] + _combination(out[rows], out[reverse[rows]], norm, mlp)
 
 
 class _Pieces(torch.autograd.Function):
@@ -194,7 +201,7 @@ class _Pieces(torch.autograd.Function):
                     for t in (nodes[a:b], out[r0:r1], out[reverse], edges[r0:r1], packed.factors[r0:r1])
                 ]
                 top_nodes, o, o_reverse, below, factors = leaves
-                top = below + o + mlps[-1](norms[-1](torch.cat([o, o_reverse], dim=-1)))
+                top = below + _combination(o, o_reverse, norms[-1], mlps[-1])
                 local = _rows(packed, piece, None, None, factors)
                 found = readout(
                     backend, ctx.names[0], top_nodes, top, local.factors, local.real, local.centers, ctx.features
@@ -221,7 +228,7 @@ class _Pieces(torch.autograd.Function):
                         r0, r1 = piece.first, piece.last
                         reverse = packed.reverse[r0:r1]
                         o, o_reverse = (t.detach().requires_grad_() for t in (out[r0:r1], out[reverse]))
-                        combined = o + mlps[k](norms[k](torch.cat([o, o_reverse], dim=-1)))
+                        combined = _combination(o, o_reverse, norms[k], mlps[k])
                         grads = torch.autograd.grad(combined, [o, o_reverse], grad_edges[r0:r1])
                         grad_out[r0:r1] += grads[0]
                         grad_out.index_add_(0, reverse, grads[1])
