@@ -303,10 +303,11 @@ class LeanPET:
         with torch.set_grad_enabled(grad):
             vectors = pair_vectors(positions, self.pairs)
             energies, terms, sizes, found = self.predict(vectors, cells, numbers, direct, bool(llpr))
+            weighted = energies * weights
             if grad:
                 wrt = [positions, vectors] if stress else [positions]
-                grads = torch.autograd.grad((energies * weights).sum(), wrt, retain_graph="energy_ensemble" in llpr)
-            totals = energies.new_zeros(count).index_add_(0, system, (energies * weights).detach())
+                grads = torch.autograd.grad(weighted.sum(), wrt, retain_graph="energy_ensemble" in llpr)
+            totals = energies.new_zeros(count).index_add_(0, system, weighted.detach())
             out = {"energy": totals, "energies": energies.detach(), "sizes": sizes}
             if grad:
                 out["forces"] = -grads[0]
