@@ -277,7 +277,8 @@ class LAMMPSForces:
         total = np.zeros(int(largest_tag) * 3 + 7)  # forces by tag (tag 1 first), energy, virial (6)
         energies = np.zeros(nlocal)
         if nlocal > 0:  # an empty domain contributes nothing
-            forces, energies = self._cluster(positions, types, nlocal)
+            cluster = Atoms(numbers=self.numbers[types], positions=positions, pbc=False)
+            forces, energies = domain_forces(self.calculator, cluster, nlocal)
             energy = energies.sum()
             np.add.at(total[:-7].reshape(-1, 3), tags - 1, forces)
             center = 0.5 * (np.array(lmp.extract_global("sublo")) + np.array(lmp.extract_global("subhi")))
@@ -300,17 +301,18 @@ class LAMMPSForces:
         self._rebuild = (nbuild, step)
         return float(np.sqrt(((owned - self._reference) ** 2).sum(1).max(initial=0.0)))
 
-    def _cluster(self, positions: np.ndarray, types: np.ndarray, nlocal: int) -> tuple[np.ndarray, np.ndarray]:
-        """Forces [nall, 3] (eV/Å) -dE_O/dx on every atom of the cluster (owned then ghosts,
-        non-periodic), E_O the owned atoms' energies summed, and those energies [nlocal] (eV)."""
-        calculator = self.calculator
-        cluster = Atoms(numbers=self.numbers[types], positions=positions, pbc=False)
-        weights = np.zeros(len(cluster))
-        weights[:nlocal] = 1.0
-        calculator.check_atoms(cluster, ["energy", "forces"])
-        with calculator._evaluating(len(cluster)):
-            (result,) = calculator._engine.compute([cluster], {"energy", "forces"}, weights=[weights])
-        return result["forces"], result["energies"][:nlocal]
+
+def domain_forces(calculator, cluster: Atoms, owned: int) -> tuple[np.ndarray, np.ndarray]:
+    """What a rank computes (:class:`LAMMPSForces`): for the non-periodic ``cluster`` of a
+    domain's ``owned`` atoms (first) and its ghosts, the forces [n, 3] (eV/Å) -dE_O/dx on
+    every atom, E_O the owned atoms' energies summed, and those energies [owned] (eV),
+    through ``calculator``'s engine (per-atom energy weights 1 owned, 0 ghosts)."""
+    weights = np.zeros(len(cluster))
+    weights[:owned] = 1.0
+    calculator.check_atoms(cluster, ["energy", "forces"])
+    with calculator._evaluating(len(cluster)):
+        (result,) = calculator._engine.compute([cluster], {"energy", "forces"}, weights=[weights])
+    return result["forces"], result["energies"][:owned]
 
 
 def _split(text: str) -> tuple[str, str, str]:

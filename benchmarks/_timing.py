@@ -7,15 +7,17 @@ import time
 import torch
 
 
-def md_step_times(dyn, steps: int) -> list[float]:
-    """Seconds of each of ``steps`` steps of the ASE dynamics ``dyn``, the GPU (if any)
-    synchronised before and after each: what the step costs the host and the device."""
+def timed(call) -> float:
+    """Seconds that ``call()`` takes, the GPU (if any) synchronised before and after: what
+    it costs the host and the device."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    times = []
-    for _ in range(steps):
-        sync()
-        start = time.perf_counter()
-        dyn.run(1)
-        sync()
-        times.append(time.perf_counter() - start)
-    return times
+    sync()
+    start = time.perf_counter()
+    call()
+    sync()
+    return time.perf_counter() - start
+
+
+def md_step_times(dyn, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` steps of the ASE dynamics ``dyn`` (:func:`timed`)."""
+    return [timed(lambda: dyn.run(1)) for _ in range(steps)]

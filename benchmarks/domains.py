@@ -16,23 +16,22 @@ time per owned atom.
 from __future__ import annotations
 
 import argparse
-import time
 import warnings
 
 import _results
 import numpy as np
-import torch
+from _timing import timed
 from ase import Atoms
 
 from ase_tcfp32 import TCPETCalculator
-from ase_tcfp32.lammps import SKIN, receptive_field
+from ase_tcfp32.lammps import SKIN, domain_forces, receptive_field
 from ase_tcfp32.testing import random_checkpoint
 from ase_tcfp32.validation import water_box
 
 
-def domain(base: Atoms, side: float, halo: float) -> tuple[Atoms, np.ndarray]:
-    """A non-periodic cube of side ``side`` + 2 ``halo`` (Å) of ``base`` repeated, owned atoms
-    (those of the inner cube of side ``side``) first, and their weights (1 owned, 0 ghost)."""
+def domain(base: Atoms, side: float, halo: float) -> tuple[Atoms, int]:
+    """A non-periodic cube of side ``side`` + 2 ``halo`` (Å) of ``base`` repeated, its owned
+    atoms (those of the inner cube of side ``side``) first, and how many they are."""
     extent = side + 2 * halo
     repeats = int(np.ceil(extent / base.cell.lengths().min()))
     big = base.repeat((repeats,) * 3)
@@ -41,9 +40,7 @@ def domain(base: Atoms, side: float, halo: float) -> tuple[Atoms, np.ndarray]:
     owned = ((positions >= halo) & (positions < halo + side)).all(1)
     order = np.concatenate([np.flatnonzero(inside & owned), np.flatnonzero(inside & ~owned)])
     cluster = Atoms(numbers=big.numbers[order], positions=positions[order], pbc=False)
-    weights = np.zeros(len(cluster))
-    weights[: int((inside & owned).sum())] = 1.0
-    return cluster, weights
+    return cluster, int((inside & owned).sum())
 
 
 def main() -> None:
@@ -61,22 +58,15 @@ def main() -> None:
     rng = np.random.default_rng(1)
     rows = []
     for side in (float(s) for s in args.sides.split(",")):
-        cluster, weights = domain(base, side, halo)
+        cluster, owned = domain(base, side, halo)
         times = []
-        for step in range(args.steps + 1):
+        for _ in range(args.steps + 1):  # the first, a warm-up, not counted
             cluster.positions += rng.normal(scale=0.005, size=cluster.positions.shape)
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            with calc._evaluating(len(cluster)):
-                calc._engine.compute([cluster], {"energy", "forces"}, weights=[weights])
-            torch.cuda.synchronize()
-            if step:
-                times.append(time.perf_counter() - start)
-        owned = int(weights.sum())
+            times.append(timed(lambda: domain_forces(calc, cluster, owned)))
         pieces = calc._engine.pieces
         row = {"model": f"random-{args.model}", "precision": calc.precision, "side_A": side, "halo_A": halo}
         row.update(owned=owned, computed=len(cluster), halo_factor=len(cluster) / owned)
-        row.update(in_pieces=pieces is not None and len(cluster) > pieces.above, s=float(np.mean(times)))
+        row.update(in_pieces=pieces is not None and len(cluster) > pieces.above, s=float(np.mean(times[1:])))
         row.update(us_per_owned_atom=1e6 * row["s"] / owned, us_per_computed_atom=1e6 * row["s"] / len(cluster))
         rows.append(row)
         print(row, flush=True)

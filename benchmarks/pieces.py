@@ -18,12 +18,12 @@ and records the time ratio and the largest force difference.
 from __future__ import annotations
 
 import argparse
-import time
 import warnings
 
 import _results
 import numpy as np
 import torch
+from _timing import timed
 
 from ase_tcfp32 import TCPETCalculator
 from ase_tcfp32.testing import random_checkpoint
@@ -40,26 +40,22 @@ def step_time(calc: TCPETCalculator, atoms, steps: int) -> dict:
     """Mean seconds per MD step (after a warm-up step), peak GB, and the last forces."""
     atoms.calc = calc
     rng = np.random.default_rng(1)
-    torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    atoms.get_forces()
-    atoms.get_stress()
-    first = time.perf_counter() - start
+
+    def step() -> None:
+        atoms.get_forces()
+        atoms.get_stress()
+
+    first = timed(step)
     times = []
     for _ in range(steps):
         atoms.positions += rng.normal(scale=0.005, size=atoms.positions.shape)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        forces = atoms.get_forces()
-        atoms.get_stress()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+        times.append(timed(step))
     return {
         "s": float(np.mean(times)),
         "first_s": first,
         "peak_GB": torch.cuda.max_memory_allocated() / 1e9,
-        "forces": forces,
+        "forces": atoms.get_forces(),
     }
 
 

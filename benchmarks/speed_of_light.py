@@ -62,6 +62,7 @@ from dataclasses import dataclass
 import _results
 import numpy as np
 import torch
+from _timing import timed
 
 from ase_tcfp32 import TCPETCalculator
 from ase_tcfp32._engines import GRAPH_ATOMS, LARGE_SKIN, SMALL_SKIN
@@ -600,17 +601,11 @@ def step_times(calc: TCPETCalculator, atoms, reps: int) -> list[float]:
     on atoms moved by 1e-4 Å between calls, the device synchronised around each."""
     rng = np.random.default_rng(1)
     atoms = atoms.copy()
-    sync = torch.cuda.synchronize if calc.device.type == "cuda" else (lambda: None)
     times = []
-    for k in range(reps + 3):
+    for _ in range(reps + 3):
         atoms.positions += rng.normal(0, 1e-4, atoms.positions.shape)
-        sync()
-        start = time.perf_counter()
-        calc.calculate(atoms, ["energy", "forces", "stress"], ["positions"])
-        sync()
-        if k >= 3:
-            times.append(1e3 * (time.perf_counter() - start))
-    return times
+        times.append(1e3 * timed(lambda: calc.calculate(atoms, ["energy", "forces", "stress"], ["positions"])))
+    return times[3:]
 
 
 def profile(calc: TCPETCalculator, atoms, steps: int = 3) -> dict:
