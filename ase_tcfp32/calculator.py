@@ -552,14 +552,14 @@ class TCPETCalculator(Calculator):
         pieces = getattr(self._engine, "pieces", None)
         otherwise = "compiling GPU kernels on first use" if self.device.type == "cuda" else "evaluating"
         if first:
-            shown_first = shown(f"ase-tcfp32: first evaluation ({atoms} atoms)", otherwise)
+            status = shown(f"ase-tcfp32: first evaluation ({atoms} atoms)", otherwise)
         elif self.progress and pieces is not None and atoms > pieces.above:  # long: seconds per call
-            shown_first = shown(f"ase-tcfp32: {atoms:,} atoms in pieces", "evaluating")
+            status = shown(f"ase-tcfp32: {atoms:,} atoms in pieces", "evaluating")
         else:
-            shown_first = contextlib.nullcontext()
+            status = contextlib.nullcontext()
         on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         try:
-            with shown_first, on_device, ieee_fp32_matmul(), watchdog.deferred():
+            with status, on_device, ieee_fp32_matmul(), watchdog.deferred():
                 yield
         except (torch.OutOfMemoryError, torch.AcceleratorError) as error:  # a kernel launch may fail for memory too
             if not isinstance(error, torch.OutOfMemoryError) and "out of memory" not in str(error):
