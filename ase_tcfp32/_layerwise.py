@@ -166,8 +166,8 @@ class _Pieces(torch.autograd.Function):
             rows = slice(piece.first, piece.last)
             top = _combined(edges, out, rows, packed.reverse, norms[-1], mlps[-1])
             local = _rows(packed, piece, None, None, factors[rows])
+            atoms = nodes[piece.start : piece.stop]
             for k, name in enumerate(names):
-                atoms = nodes[piece.start : piece.stop]
                 wanted = k == 0 and features
                 prediction, piece_features = readout(
                     backend, name, atoms, top, local.factors, local.real, local.centers, wanted
