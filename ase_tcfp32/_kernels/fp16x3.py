@@ -37,6 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from . import autotune
 from .context import on_device
+from .epilogue import ACTIVATIONS, activate, gl_sigmoid
 from .gluon_common import descriptor, load_stage, ring, tile_offsets, tma_ready
 from .split import split_fp16x3
 from .triton_gemm import min_rows, sm_count
@@ -106,18 +107,23 @@ def _fp16x3_consumer(
     y_desc,
     scale_ptr,
     bias_ptr,
+    residual_ptr,
+    stride_r,
     M,
     N,
     num_k,
     HAS_BIAS: gl.constexpr,
+    HAS_RESIDUAL: gl.constexpr,
+    ACTIVATION: gl.constexpr,
     GROUP_M: gl.constexpr,
     STAGES: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """Consumer warpgroups: for each output tile the K loop of :func:`_split` and :func:`_issue`, where
     each K-tile's accumulator joins the FP32 sum (times its rows' ``2^-a``) while the next
-    K-tile's products run; then ``acc * scale (+ bias)`` goes to shared memory ``ys``, from
-    where a TMA store writes it out while the next tile's K loop runs."""
+    K-tile's products run; then ``act(acc * scale + bias + residual)`` (:mod:`.epilogue`;
+    SwiGLU: half the columns) goes to shared memory ``ys``, from where a TMA store writes it
+    out while the next tile's K loop runs."""
     BM: gl.constexpr = xs.shape[1]
     BN: gl.constexpr = his.shape[1]
     mma: gl.constexpr = gl.NVMMADistributedLayout(
@@ -157,11 +163,22 @@ def _fp16x3_consumer(
         acc = acc * gl.expand_dims(gl.load(scale_ptr + cols, mask=cols < N, other=0.0), 0)
         if HAS_BIAS:
             acc = acc + gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0), 0)
+        if HAS_RESIDUAL:
+            rows = off_m + gl.arange(0, BM, layout=rows_layout)
+            at = gl.expand_dims(rows.to(gl.int64) * stride_r, 1) + gl.expand_dims(cols, 0)
+            inside = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
+            acc = acc + gl.load(residual_ptr + at, mask=inside, other=0.0)
         tma.store_wait(pendings=0)  # the previous tile has left ys (TMA clips rows, columns past M, N)
         gl.thread_barrier()
-        ys.store(acc)
+        if ACTIVATION == 1:
+            ys.store(acc * gl_sigmoid(acc))
+        elif ACTIVATION == 2:  # interleaved value, gate columns: half as many of h
+            value, gate = gl.split(gl.reshape(acc, [BM, BN // 2, 2]))
+            ys.store(value * gl_sigmoid(gate))
+        else:
+            ys.store(acc)
         fence_async_shared()
-        tma.async_copy_shared_to_global(y_desc, [off_m, off_n], ys)
+        tma.async_copy_shared_to_global(y_desc, [off_m, off_n // 2 if ACTIVATION == 2 else off_n], ys)
     tma.store_wait(pendings=0)
 
 
@@ -173,14 +190,18 @@ def _fp16x3_kernel(
     y_desc,
     scale_ptr,
     bias_ptr,
+    residual_ptr,
+    stride_r,
     M,
     N,
     HAS_BIAS: gl.constexpr,
+    HAS_RESIDUAL: gl.constexpr,
+    ACTIVATION: gl.constexpr,
     STAGES: gl.constexpr,
     GROUP_M: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """``y = (x @ w^T) * scale (+ bias)``: one program per SM walks the output tiles; a
+    """``y = act((x @ w^T) * scale + bias + residual)``: one program per SM walks the output tiles; a
     producer warp streams their K-tiles (x in FP32, the weight's FP16 words) through a
     ``STAGES``-deep TMA ring, two consumer warpgroups compute, and TMA stores the tiles."""
     xs, his, los, ready, empty = ring(x_desc, hi_desc, lo_desc, STAGES)
@@ -200,10 +221,14 @@ def _fp16x3_kernel(
                     y_desc,
                     scale_ptr,
                     bias_ptr,
+                    residual_ptr,
+                    stride_r,
                     M,
                     N,
                     num_k,
                     HAS_BIAS,
+                    HAS_RESIDUAL,
+                    ACTIVATION,
                     GROUP_M,
                     STAGES,
                     num_warps,
@@ -264,16 +289,25 @@ def split_weight(w: torch.Tensor, tune: bool = False) -> Words:
     return split._replace(config=config)
 
 
-def launch(x: torch.Tensor, w: Words, bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
-    """``x [M, K] @ w^T (+ bias)`` as [M, N], on the GPU whatever M is (with ``config``,
+def launch(
+    x: torch.Tensor,
+    w: Words,
+    bias: torch.Tensor | None = None,
+    config: dict | None = None,
+    residual: torch.Tensor | None = None,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """``act(x [M, K] @ w^T + bias + residual)`` as [M, N] (:mod:`.epilogue`; SwiGLU:
+    [M, N // 2] from words of interleaved rows), on the GPU whatever M is (with ``config``,
     default the one ``w`` was tuned for)."""
     config = config or w.config
     m, k = x.shape
     _, n, kp = w.words.shape
     if m == 0 or k == 0:
-        y = torch.zeros((m, n), device=x.device, dtype=torch.float32)
-        return y if bias is None else y.copy_(bias.expand(m, n))
-    y = torch.empty((m, triton.cdiv(n, 4) * 4), device=x.device, dtype=torch.float32)  # 16-byte rows for TMA
+        z = torch.zeros((m, n), device=x.device, dtype=torch.float32)
+        return activate(z + (0.0 if bias is None else bias) + (0.0 if residual is None else residual), activation)
+    out = n // 2 if activation == "swiglu" else n
+    y = torch.empty((m, triton.cdiv(out, 4) * 4), device=x.device, dtype=torch.float32)  # 16-byte rows for TMA
     bm, bn, bk = config["BM"], config["BN"], config["BK"]
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     with on_device(x.device):
@@ -281,17 +315,21 @@ def launch(x: torch.Tensor, w: Words, bias: torch.Tensor | None = None, config: 
             descriptor(tma_ready(x, kp), [bm, bk]),
             descriptor(w.words[0], [bn, bk]),
             descriptor(w.words[1], [bn, bk]),
-            descriptor(y, [bm, bn]),
+            descriptor(y, [bm, bn // 2 if activation == "swiglu" else bn]),
             w.scale,
             bias if bias is not None else y,
+            residual if residual is not None else y,
+            0 if residual is None else residual.stride(0),
             m,
             n,
             HAS_BIAS=bias is not None,
+            HAS_RESIDUAL=residual is not None,
+            ACTIVATION=ACTIVATIONS[activation],
             STAGES=config["STAGES"],
             GROUP_M=config["GROUP_M"],
             num_warps=config["num_warps"],
         )
-    return y if y.shape[1] == n else y[:, :n].contiguous()
+    return y if y.shape[1] == out else y[:, :out].contiguous()
 
 
 class Fp16x3Backend:
@@ -311,6 +349,21 @@ class Fp16x3Backend:
         if prepared.forward is None or x.shape[0] < prepared.forward.min_rows:
             return torch.nn.functional.linear(x, prepared.weight, bias)
         return launch(x, prepared.forward, None if bias is None else bias.detach().contiguous())
+
+    def fused(
+        self,
+        x: torch.Tensor,
+        prepared: Prepared,
+        bias: torch.Tensor | None,
+        residual: torch.Tensor | None = None,
+        activation: str | None = None,
+    ) -> torch.Tensor | None:
+        """``act(x @ weight.T + bias + residual)`` in one kernel (:mod:`.epilogue`), or None
+        where :meth:`forward` would not run the kernel (the caller composes the steps)."""
+        if prepared.forward is None or x.shape[0] < prepared.forward.min_rows:
+            return None
+        bias = None if bias is None else bias.detach().contiguous()
+        return launch(x, prepared.forward, bias, residual=residual, activation=activation)
 
     def grad_input(self, grad_y: torch.Tensor, prepared: Prepared) -> torch.Tensor:
         if prepared.backward is None or grad_y.shape[0] < prepared.backward.min_rows:

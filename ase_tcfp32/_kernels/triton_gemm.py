@@ -31,6 +31,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import autotune
 from .context import on_device
+from .epilogue import ACTIVATIONS, activate, apply
 from .split import round_tf32, split_bf16x3
 
 
@@ -108,6 +109,7 @@ def _linear_kernel(
     w_ptr,
     w_desc,
     bias_ptr,
+    residual_ptr,
     y_ptr,
     M,
     N,
@@ -118,6 +120,8 @@ def _linear_kernel(
     WORDS: tl.constexpr,
     TMA: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    ACTIVATION: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -171,6 +175,12 @@ def _linear_kernel(
         acc = (acc + last) + small
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0)[None, :]
+    if HAS_RESIDUAL:
+        acc += tl.load(residual_ptr + rm[:, None] * stride_ym + rn[None, :], mask=(rm[:, None] < M) & (rn[None, :] < N))
+    acc = apply(acc, ACTIVATION)
+    if ACTIVATION == 2:  # SwiGLU: the tile's interleaved pairs give BN // 2 columns of h
+        rn = col0.to(tl.int64) // 2 + tl.arange(0, BN // 2)
+        N = N // 2
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
@@ -241,15 +251,29 @@ def _tma_ready(x: torch.Tensor) -> bool:
     return x.stride(1) == 1 and (x.stride(0) * 4) % 16 == 0 and x.data_ptr() % 16 == 0
 
 
-def launch(x: torch.Tensor, gemm: Gemm, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, K] @ w^T (+ bias)`` with the split weight ``gemm``, as [M, N]."""
+def _constant(m: int, n: int, device: torch.device, bias, residual) -> torch.Tensor:
+    """``x @ w^T + bias + residual`` [m, n] for K = 0."""
+    z = torch.zeros((m, n), device=device)
+    return z + (0.0 if bias is None else bias) + (0.0 if residual is None else residual)
+
+
+def launch(
+    x: torch.Tensor,
+    gemm: Gemm,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """``act(x [M, K] @ w^T + bias + residual)`` with the split weight ``gemm``, as [M, N]
+    (:mod:`.epilogue`; SwiGLU: [M, N // 2] from a weight split with interleaved rows)."""
     m, k = x.shape
     words, n, kp = gemm.words.shape
-    y = torch.empty((m, n), device=x.device, dtype=torch.float32)
+    out = n // 2 if activation == "swiglu" else n
+    y = torch.empty((m, out), device=x.device, dtype=torch.float32)
     if m == 0:
         return y
     if k == 0:
-        return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
+        return y.copy_(activate(_constant(m, n, x.device, bias, residual), activation))
     config = gemm.config
     tma = gemm.descriptor is not None and _tma_ready(x)
     x_desc = None
@@ -263,6 +287,7 @@ def launch(x: torch.Tensor, gemm: Gemm, bias: torch.Tensor | None = None) -> tor
             gemm.words,
             gemm.descriptor if tma else None,
             bias if bias is not None else y,
+            residual if residual is not None else y,
             y,
             m,
             n,
@@ -273,6 +298,8 @@ def launch(x: torch.Tensor, gemm: Gemm, bias: torch.Tensor | None = None) -> tor
             WORDS=words,
             TMA=tma,
             HAS_BIAS=bias is not None,
+            HAS_RESIDUAL=residual is not None,
+            ACTIVATION=ACTIVATIONS[activation],
             **config,
         )
     return y
@@ -343,6 +370,21 @@ class TritonBackend:
             return torch.nn.functional.linear(x, prepared.weight, bias)
         bias = None if bias is None else bias.detach().contiguous()
         return self.launch(x, prepared.forward, bias)
+
+    def fused(
+        self,
+        x: torch.Tensor,
+        prepared: Prepared,
+        bias: torch.Tensor | None,
+        residual: torch.Tensor | None = None,
+        activation: str | None = None,
+    ) -> torch.Tensor | None:
+        """``act(x @ weight.T + bias + residual)`` in one kernel (:mod:`.epilogue`), or None
+        where :meth:`forward` would not run the kernel (the caller composes the steps)."""
+        if x.shape[0] < prepared.forward.min_rows:
+            return None
+        bias = None if bias is None else bias.detach().contiguous()
+        return launch(x, prepared.forward, bias, residual, activation)
 
     def grad_input(self, grad_y: torch.Tensor, prepared: Prepared) -> torch.Tensor:
         if grad_y.shape[0] < prepared.backward.min_rows:
