@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from ._epilogues import linear
 from ._swapping import lazy_subclass, swap_class
 from .layers import TCLinear
 
@@ -99,8 +100,9 @@ def compress(
     fold, d = folded(self), messages.shape[-1]
     geometry = torch.cat([vectors, distances[..., None]], dim=-1).to(vectors.dtype).reshape(-1, 4)
     table = fold.species[0] if self.is_first else fold.species[species].reshape(-1, d)
-    compressed = torch.addmm(table, geometry, fold.geometry.T).reshape(messages.shape) + fold.messages(messages)
-    return self.compress[2](self.compress[1](compressed))
+    known = torch.addmm(table, geometry, fold.geometry.T).reshape(messages.shape)
+    hidden = linear(fold.messages, messages, residual=known, activation="silu")  # compress[1] is SiLU
+    return linear(self.compress[2], hidden)
 
 
 def _forward(

@@ -23,6 +23,8 @@ from typing import NamedTuple
 
 import torch
 
+from . import _epilogues
+
 ENERGY, FORCE, STRESS = "energy", "non_conservative_force", "non_conservative_stress"
 """metatrain's target names of PET-MAD's three heads."""
 
@@ -145,8 +147,8 @@ def readout(
     node_last, edge_last = (
         next(iter(layers[name][0].values())) for layers in (backend.node_last_layers, backend.edge_last_layers)
     )
-    node_features = backend.node_heads[name][0](nodes)
-    edge_features = backend.edge_heads[name][0](edges)
+    node_features = _epilogues.head(backend.node_heads[name][0], nodes)
+    edge_features = _epilogues.head(backend.edge_heads[name][0], edges)
     per_atom = node_last(node_features)
     edge_terms = torch.where(real[:, None], edge_last(edge_features), 0.0) * factors[:, None]
     prediction = per_atom + torch.zeros_like(per_atom).index_add_(0, centers, edge_terms)

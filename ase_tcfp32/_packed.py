@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 
 from ._attention import tc_attention_packed
+from ._epilogues import combination, feed_forward, linear
 from ._folded import compress
 from ._fused import combine_messages
 from ._heads import readout
@@ -69,14 +70,14 @@ def _inner(layer: torch.nn.Module) -> torch.nn.Module:
 def _attention(
     block: torch.nn.Module, edges: torch.Tensor, nodes: torch.Tensor, factors: torch.Tensor, sequences
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """metatrain's ``AttentionBlock`` on the edge tokens [R, d] and center tokens [N, d],
-    the edges' cutoff ``factors`` [R] weighting them as keys (the center tokens': 1)."""
+    """metatrain's ``AttentionBlock`` up to its output projection, on the edge tokens [R, d]
+    and center tokens [N, d], the edges' cutoff ``factors`` [R] weighting them as keys (the
+    center tokens': 1)."""
     scale = 1.0 / (block.head_dim**0.5 * block.temperature)
     bias = torch.log(torch.clamp(factors, block.epsilon))
-    out, node_out = tc_attention_packed(
+    return tc_attention_packed(
         block.input_linear(edges), block.input_linear(nodes), bias, sequences, block.num_heads, scale
     )
-    return block.output_linear(out), block.output_linear(node_out)
 
 
 def _transformer_layer(
@@ -84,20 +85,23 @@ def _transformer_layer(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """metatrain's ``TransformerLayer`` (PreLN or PostLN) on packed rows: its token
     ``cat`` and ``split`` become two tensors that only the attention reads together."""
-    center = layer.center_contraction(nodes)
+    center, block = layer.center_contraction(nodes), layer.attention
     if layer.transformer_type == "PreLN":
-        new_edges, new_center = _attention(
-            layer.attention, layer.norm_attention(edges), layer.norm_attention(center), factors, sequences
+        out, center_out = _attention(
+            block, layer.norm_attention(edges), layer.norm_attention(center), factors, sequences
         )
-        edges = edges + new_edges
-        edges = edges + layer.mlp(layer.norm_mlp(edges))
+        edges = linear(block.output_linear, out, residual=edges)
+        new_center = block.output_linear(center_out)
+        edges = feed_forward(layer.mlp, layer.norm_mlp(edges), residual=edges)
     else:
-        new_edges, new_center = _attention(layer.attention, edges, center, factors, sequences)
-        edges, new_center = layer.norm_attention(edges + new_edges), layer.norm_attention(center + new_center)
-        edges, new_center = layer.norm_mlp(edges + layer.mlp(edges)), layer.norm_mlp(new_center + layer.mlp(new_center))
+        out, center_out = _attention(block, edges, center, factors, sequences)
+        edges = layer.norm_attention(linear(block.output_linear, out, residual=edges))
+        new_center = layer.norm_attention(linear(block.output_linear, center_out, residual=center))
+        edges = layer.norm_mlp(feed_forward(layer.mlp, edges, residual=edges))
+        new_center = layer.norm_mlp(feed_forward(layer.mlp, new_center, residual=new_center))
     if layer.expanded_node_features:
-        nodes = nodes + layer.center_expansion(new_center)
-        return nodes + layer.center_mlp(layer.norm_center_features(nodes)), edges
+        nodes = linear(layer.center_expansion, new_center, residual=nodes)
+        return feed_forward(layer.center_mlp, layer.norm_center_features(nodes), residual=nodes), edges
     return new_center, edges
 
 
@@ -129,7 +133,7 @@ def features_of(backend: torch.nn.Module, packed: Packed) -> tuple[torch.Tensor,
             )
         else:
             out_nodes, out_edges = _gnn_layer(_inner(gnn_layer), nodes, edges, packed)
-        edges = edges + out_edges + mlp(combine_messages(out_edges, packed.reverse, norm))
+        edges = combination(mlp, combine_messages(out_edges, packed.reverse, norm), residual=edges + out_edges)
         nodes, edges = post_node(out_nodes), post_edge(edges)
     return nodes, edges
 

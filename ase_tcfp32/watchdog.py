@@ -154,6 +154,23 @@ def watch(
         pending.append(item)
 
 
+def due(layer, direction: str) -> bool:
+    """Whether :func:`watch` would check the next call of ``layer`` in ``direction`` (a
+    fused kernel then steps aside for the plain GEMM that the check compares)."""
+    every = getattr(layer, "check_accuracy", 0)
+    if not every or layer.precision == "tf32" or layer._warned:
+        return False
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return False
+    return layer._calls.get(direction, 0) % every == 0 or getattr(_state, "all", False)
+
+
+def skipped(layer, direction: str) -> None:
+    """Count a call of ``layer`` in ``direction`` that ran fused, unchecked (:func:`due`)."""
+    if getattr(layer, "check_accuracy", 0):
+        layer._calls[direction] = layer._calls.get(direction, 0) + 1
+
+
 def _judge(pending: list) -> None:
     if not pending:
         return

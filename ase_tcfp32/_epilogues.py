@@ -1,0 +1,171 @@
+"""Linear layers fused with what follows them: ``act(x @ W^T + b + residual)`` in one GEMM.
+
+Between PET's GEMMs run passes over memory that a GEMM could do while its output tile is
+still in registers (:mod:`ase_tcfp32._kernels.epilogue`): the residual additions of the
+transformer layers and of the message combination, the SiLU of the compression, the
+combination and the heads, and the SwiGLU of the feed-forwards. At 17,280 water atoms
+with PET-S each such pass reads or writes 0.5-2.3 GB. :func:`linear` runs them in the
+epilogue of the layer's own kernel where it can:
+
+- a residual, in every evaluation: its gradient is the output's, so backward is the
+  layer's input gradient and nothing else (:class:`_Residual`);
+- an activation, where no gradient is asked for (energy-only calls, direct forces, the
+  inner steps of multiple time stepping): the layer then writes ``h`` only, not the
+  pre-activation that a backward pass would need. SwiGLU reads the layer's weight with
+  its value and gate rows interleaved (split once per weight, :func:`_interleaved`).
+
+Everywhere else (CPU, cuBLAS FP32 for small GEMMs, the tensor-core model, ``fp32``,
+``torch.compile``, trainable weights, gradients through an activation) the same steps run
+one after another, as metatrain writes them. A call the accuracy watchdog is due to check
+runs composed too, so the check sees the plain GEMM (:func:`ase_tcfp32.watchdog.due`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from . import watchdog
+from ._backends import get_backend
+from ._fused import swiglu
+from ._kernels.context import INTERPRETED
+from .layers import TCLinear, _grad_input
+
+_INTERLEAVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per SwiGLU input layer: (key, split weight, bias) with interleaved rows."""
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def unfused() -> Iterator[None]:
+    """Run every :func:`linear` in this block step by step (benchmarks and tests compare)."""
+    saved = getattr(_state, "off", False)
+    _state.off = True
+    try:
+        yield
+    finally:
+        _state.off = saved
+
+
+def _composed(layer: torch.nn.Module, x: torch.Tensor, residual, activation) -> torch.Tensor:
+    z = layer(x)
+    if residual is not None:
+        z = z + residual
+    if activation == "silu":
+        return torch.nn.functional.silu(z)
+    return swiglu(z) if activation == "swiglu" else z
+
+
+def _kernel_backend(layer: torch.nn.Module, x: torch.Tensor):
+    """The backend that fuses ``layer``'s epilogues for ``x``, or None."""
+    if getattr(_state, "off", False) or not isinstance(layer, TCLinear) or layer.weight.requires_grad:
+        return None
+    if torch.compiler.is_compiling():
+        return None
+    if x.dtype != torch.float32 or not (x.is_cuda or INTERPRETED) or layer.emulate is not None:
+        return None
+    backend = get_backend(layer.precision, x.device, None)
+    return backend if hasattr(backend, "fused") else None
+
+
+def _interleaved(layer: TCLinear, backend, device: torch.device) -> tuple:
+    """``layer``'s weight and bias with value and gate rows interleaved, split by ``backend``."""
+    from ._kernels.epilogue import interleave
+
+    w, b = layer.weight, layer.bias
+    key = (layer.precision, device, w.data_ptr(), w._version, None if b is None else (b.data_ptr(), b._version))
+    cached = _INTERLEAVED.get(layer)
+    if cached is None or cached[0] != key:
+        bias = None if b is None else interleave(b.detach().to(device))
+        cached = (key, backend.prepare(interleave(w.detach().to(device))), bias)
+        _INTERLEAVED[layer] = cached
+    return cached[1], cached[2]
+
+
+class _Residual(torch.autograd.Function):
+    """``x @ W^T + b + residual`` in one kernel; backward: the layer's input gradient, and
+    the output's gradient for the residual."""
+
+    @staticmethod
+    def forward(ctx, x, residual, layer, backend, prepared, bias):
+        ctx.layer, ctx.split = layer, (backend, prepared, layer)
+        y = backend.fused(x, prepared, bias, residual)
+        return backend.forward(x, prepared, bias) + residual if y is None else y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y):
+        grad_y = grad_y.contiguous()
+        grad_x = _grad_input(*ctx.split, grad_y, ctx.layer.weight) if ctx.needs_input_grad[0] else None
+        return grad_x, grad_y, None, None, None, None
+
+
+def linear(
+    layer: torch.nn.Module,
+    x: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """``activation(layer(x) + residual)`` for a Linear ``layer``, ``x`` [..., K] and
+    ``residual`` [..., N]; ``activation`` None, ``"silu"`` or ``"swiglu"`` (metatrain's
+    ``v * sigmoid(g)`` of the output's halves ``[v | g]``: [M, N / 2]). One kernel where
+    the layer's backend fuses it (see the module doc), else the steps one by one."""
+    backend = _kernel_backend(layer, x)
+    grad = torch.is_grad_enabled() and (x.requires_grad or (residual is not None and residual.requires_grad))
+    if backend is None or (grad and (activation is not None or residual is None)) or watchdog.due(layer, "forward"):
+        return _composed(layer, x, residual, activation)
+    shape = x.shape[:-1]
+    x = x.reshape(-1, x.shape[-1]).contiguous()
+    residual = None if residual is None else residual.reshape(x.shape[0], -1).contiguous()
+    if activation == "swiglu":
+        prepared, bias = _interleaved(layer, backend, x.device)
+    else:
+        prepared, bias = layer.prepared_weight(x.device), layer.bias
+    if grad:  # a residual alone (see above)
+        y = _Residual.apply(x, residual, layer, backend, prepared, bias)
+    else:
+        y = backend.fused(x, prepared, bias, residual, activation)
+        if y is None:  # too few rows for the kernel
+            return _composed(layer, x, residual, activation)
+    watchdog.skipped(layer, "forward")
+    return y.reshape(*shape, y.shape[-1])
+
+
+def feed_forward(mlp: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``residual + mlp(x)`` for metatrain's ``FeedForward`` ``mlp`` (SwiGLU or not),
+    through :func:`linear`."""
+    if mlp.is_swiglu:
+        hidden = linear(mlp.w_in, x, activation="swiglu")
+    else:
+        hidden = mlp.activation(mlp.w_in(x))
+    return linear(mlp.w_out, hidden, residual)
+
+
+def _is(layers: torch.nn.Module, *kinds: type) -> bool:
+    """Whether ``layers`` is an ``nn.Sequential`` of modules of these ``kinds``."""
+    return (
+        isinstance(layers, torch.nn.Sequential)
+        and len(layers) == len(kinds)
+        and all(isinstance(module, kind) for module, kind in zip(layers, kinds))
+    )
+
+
+def combination(mlp: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + mlp(x)`` for PET's message-combination MLP ``mlp`` (Linear, SiLU,
+    Linear), through :func:`linear`."""
+    if not _is(mlp, torch.nn.Linear, torch.nn.SiLU, torch.nn.Linear):
+        return residual + mlp(x)
+    return linear(mlp[2], linear(mlp[0], x, activation="silu"), residual)
+
+
+def head(layers: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A PET head ``layers`` (Linear, SiLU, Linear, SiLU) on ``x``, through :func:`linear`."""
+    if not _is(layers, torch.nn.Linear, torch.nn.SiLU, torch.nn.Linear, torch.nn.SiLU):
+        return layers(x)
+    return linear(layers[2], linear(layers[0], x, activation="silu"), activation="silu")

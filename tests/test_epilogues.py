@@ -1,0 +1,182 @@
+"""Linear layers fused with their bias, residual and activation (ase_tcfp32._epilogues and
+the GEMM kernels' epilogues, ase_tcfp32._kernels.epilogue): the same values as the steps
+one by one, on CPU (Triton's interpreter for the kernels' logic) and on the GPU (where the
+tensor-core products and the hardware's exp2 run)."""
+
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from test_triton_interpreter import interpret
+
+from ase_tcfp32 import _epilogues, watchdog
+from ase_tcfp32._kernels.epilogue import activate, interleave
+from ase_tcfp32.layers import TCLinear
+
+U = 2.0**-24
+
+
+def test_interleaved_swiglu_is_metatrains():
+    """Interleaving the weight's rows (value i next to gate i) and activating pairs gives
+    metatrain's ``v * sigmoid(g)`` of the halves ``[v | g]``."""
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(9, 6, generator=g), torch.randn(10, 6, generator=g), torch.randn(10, generator=g)
+    value, gate = (x @ w.T + b).chunk(2, dim=-1)
+    together = activate(x @ interleave(w).T + interleave(b), "swiglu")
+    assert torch.allclose(together, value * torch.sigmoid(gate), rtol=1e-6, atol=1e-6)
+    assert torch.equal(activate(x, "silu"), torch.nn.functional.silu(x)) and activate(x, None) is x
+
+
+def test_composed_steps_on_cpu():
+    """Without a fusing backend (CPU), :func:`linear` runs the layer, the residual and the
+    activation one by one, with their gradients."""
+    g = torch.Generator().manual_seed(1)
+    layer = torch.nn.Linear(5, 8).double()
+    x, r = torch.randn(7, 5, generator=g).double().requires_grad_(), torch.randn(7, 8, generator=g).double()
+    y = _epilogues.linear(layer, x, residual=r, activation="silu")
+    assert torch.equal(y, torch.nn.functional.silu(layer(x) + r))
+    h = _epilogues.linear(layer, x, activation="swiglu")
+    value, gate = layer(x).chunk(2, dim=-1)
+    assert torch.allclose(h, value * torch.sigmoid(gate))
+    h.sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_the_watchdog_sees_plain_gemms():
+    """A call the watchdog is due to check runs unfused; fused calls are counted."""
+    layer = TCLinear(4, 4, precision="tf32x3", check_accuracy=3)
+    assert watchdog.due(layer, "forward")  # the first call is checked
+    watchdog.skipped(layer, "forward")
+    assert not watchdog.due(layer, "forward")
+    watchdog.skipped(layer, "forward")
+    watchdog.skipped(layer, "forward")
+    assert watchdog.due(layer, "forward")  # the fourth
+    with watchdog.check_all():
+        watchdog.skipped(layer, "forward")
+        assert watchdog.due(layer, "forward")
+    assert not watchdog.due(TCLinear(4, 4, precision="tf32x3"), "forward")  # off
+
+
+INTERPRETED = textwrap.dedent(
+    """
+    import torch
+    from ase_tcfp32 import _epilogues, watchdog
+    from ase_tcfp32._kernels.epilogue import activate, interleave
+    from ase_tcfp32._kernels.triton_gemm import TritonBackend
+    from ase_tcfp32.layers import TCLinear
+
+    g = torch.Generator().manual_seed(0)
+    u = 2.0**-24
+    backend = TritonBackend("tf32x3")
+    # the kernel: act(x w^T + b + r) against float64, for every activation, residual or not,
+    # shapes that leave partial tiles (the interpreter's dots are FP32: this checks the logic)
+    for m, k, n in [(37, 40, 20), (130, 64, 66), (129, 70, 130), (5, 0, 8)]:
+        x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        r = torch.randn(m, n, generator=g)
+        for activation in (None, "silu", "swiglu"):
+            weight, bias = (interleave(w), interleave(b)) if activation == "swiglu" else (w, b)
+            z = x.double() @ weight.double().T + bias.double()
+            scale = x.double().abs() @ weight.double().abs().T + bias.double().abs() + r.double().abs()
+            for residual in ((None, r) if activation != "swiglu" else (None,)):
+                y = backend.fused(x, backend.prepare(weight), bias, residual, activation)
+                exact = activate(z + (0.0 if residual is None else residual.double()), activation)
+                bound = (scale if activation != "swiglu" else scale.reshape(m, -1, 2).amax(-1)) * 8 * (k + 4) * u
+                assert y.shape == exact.shape, (m, k, n, activation)
+                assert ((y.double() - exact).abs() <= bound).all(), (m, k, n, activation, residual is not None)
+
+    # _epilogues.linear with that backend: fused where it may be, the same values as unfused
+    import ase_tcfp32.layers
+    _epilogues.get_backend = ase_tcfp32.layers.get_backend = lambda precision, device, emulate: backend
+    calls = []
+    fused = backend.fused
+    backend.fused = lambda *a, **kw: calls.append(a[3:]) or fused(*a, **kw)
+    layer = TCLinear(48, 64, precision="tf32x3").requires_grad_(False)  # frozen, as models are loaded
+    x, r = torch.randn(200, 48, generator=g), torch.randn(200, 64, generator=g)
+    for activation in (None, "silu", "swiglu"):
+        with torch.no_grad():
+            y = _epilogues.linear(layer, x, r if activation != "swiglu" else None, activation)
+            with _epilogues.unfused():
+                expected = _epilogues.linear(layer, x, r if activation != "swiglu" else None, activation)
+        assert torch.allclose(y, expected, rtol=1e-5, atol=1e-5), activation
+    assert len(calls) == 3
+    # with gradients: the residual fused, its gradient and the input's as unfused
+    xg, rg = x.clone().requires_grad_(), r.clone().requires_grad_()
+    _epilogues.linear(layer, xg, rg).pow(2).sum().backward()
+    assert len(calls) == 4
+    xu, ru = x.clone().requires_grad_(), r.clone().requires_grad_()
+    (layer(xu) + ru).pow(2).sum().backward()
+    assert torch.allclose(xg.grad, xu.grad, rtol=1e-5, atol=1e-4) and torch.allclose(rg.grad, ru.grad, rtol=1e-5, atol=1e-4)
+    # an activation with gradients, and a call the watchdog checks: unfused
+    _epilogues.linear(layer, xg, rg, "silu")
+    layer.check_accuracy = 1
+    with torch.no_grad():
+        _epilogues.linear(layer, x, r, "silu")
+    assert len(calls) == 4
+    print("interpreter epilogues ok")
+    """
+)
+
+
+def test_fused_epilogues_in_the_triton_interpreter():
+    interpret(INTERPRETED, "interpreter epilogues ok")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp16x3", "tf32x3", "bf16x9"])
+def test_fused_epilogues_on_the_gpu(precision):
+    """On the GPU, each kernel's fused output against float64: no further from it than the
+    unfused steps, and its SiLU within a few units of SiLU of its own unfused product."""
+    from ase_tcfp32._backends import get_backend
+
+    device = torch.device("cuda")
+    backend = get_backend(precision, device)
+    if not hasattr(backend, "fused"):
+        pytest.skip(f"{precision}'s backend here does not fuse")
+    g = torch.Generator(device=device).manual_seed(0)
+    m, k, n = 20_000, 256, 512
+    x = torch.randn(m, k, generator=g, device=device)
+    w = torch.randn(n, k, generator=g, device=device) / 16
+    b, r = torch.randn(n, generator=g, device=device), torch.randn(m, n, generator=g, device=device)
+    for activation, residual in [(None, r), ("silu", None), ("silu", r), ("swiglu", None)]:
+        weight, bias = (interleave(w), interleave(b)) if activation == "swiglu" else (w, b)
+        z = x.double() @ weight.double().T + bias.double()
+        prepared = backend.prepare(weight)
+        y = backend.fused(x, prepared, bias, residual, activation)
+        plain = backend.forward(x, prepared, bias) + (0.0 if residual is None else residual)
+        exact = activate(z + (0.0 if residual is None else residual.double()), activation)
+        steps = activate(plain, activation)  # what the unfused layers compute
+        fused_error, steps_error = ((t.double() - exact).abs().max().item() for t in (y, steps))
+        assert fused_error <= 1.5 * steps_error + 1e-6, (activation, fused_error, steps_error)
+        if activation == "silu":  # the kernel's sigmoid: a few units of SiLU of its own product
+            own = torch.nn.functional.silu(plain.double())
+            assert ((y.double() - own).abs() <= 8 * U * own.abs() + 1e-30).all()
+
+
+@pytest.mark.gpu
+def test_fused_sigmoid_everywhere_on_the_gpu():
+    """The kernels' sigmoid over FP32's whole range (through an exact product: x times 1)."""
+    from ase_tcfp32._backends import get_backend
+
+    device = torch.device("cuda")
+    z = torch.cat([torch.linspace(-120, 120, 200_001), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 88.7, -88.7])])
+    z = z.to(device)
+    x = torch.nn.functional.pad(z[:, None], (0, 15))  # K = 16
+    weight = torch.zeros(16, 16, device=device)
+    weight[0, 0] = 1.0
+    for precision in ("fp16x3", "tf32x3"):
+        backend = get_backend(precision, device)
+        y = backend.fused(x, backend.prepare(weight), None, None, "silu")[:, 0].double()
+        plain = backend.forward(x, backend.prepare(weight), None)[:, 0].double()
+        exact = torch.nn.functional.silu(plain)
+        assert ((y - exact).abs() <= 8 * U * exact.abs() + 1e-37).all(), precision
+    specials = torch.tensor([float("inf"), -float("inf"), float("nan")], device=device)
+    with torch.no_grad():
+        layer = TCLinear(16, 16, precision="fp16x3").to(device).requires_grad_(False)
+        layer.weight.zero_()
+        layer.weight[0, 0] = 1.0
+        layer.bias.zero_()
+        rows = torch.nn.functional.pad(specials[:, None], (0, 15)).repeat(7000, 1)
+        y = _epilogues.linear(layer, rows, activation="silu")[:3, 0]
+    expected = torch.nn.functional.silu(specials)
+    assert np.array_equal(torch.isnan(y).cpu().numpy(), torch.isnan(expected).cpu().numpy())
