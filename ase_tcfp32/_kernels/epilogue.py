@@ -1,14 +1,15 @@
 """What a GEMM kernel can do to its output tile before writing it: PET's activations.
 
 ``y = act(x @ w^T + bias + residual)`` in one pass, with ``act`` one of
-:data:`ACTIVATIONS`: nothing, SiLU (``z * sigmoid(z)``: the compression, the message
-combination and the heads) or SwiGLU (``v * sigmoid(g)``: the transformer's
+:data:`ACTIVATIONS`: nothing, SiLU (``z sigmoid(z)``: the compression, the message
+combination and the heads) or SwiGLU (``v sigmoid(g)``: the transformer's
 feed-forwards). For SwiGLU the weight's rows are interleaved (:func:`interleave`), value
 row i next to gate row i, so that every output tile holds matching pairs side by side
 and the kernel writes ``h`` [M, F] instead of ``[v | g]`` [M, 2F].
 
-The sigmoid is ``1 / (1 + exp(-z))`` with libdevice's ``exp`` (CUDA's ``expf``: at most
-2 units in the last place), as torch's own SiLU computes it; Triton's approximate
+SiLU is ``z / (1 + exp(-z))`` and SwiGLU ``v * (1 / (1 + exp(-g)))``, as torch and our
+SwiGLU kernel compute them, with libdevice's ``exp`` (CUDA's ``expf``: at most 2 units in
+the last place); Triton's approximate
 ``tl.exp`` (``ex2`` of ``z log2(e)``) would lose ``|z| 2^-24`` of relative accuracy in
 rounding its argument. Written twice, once for Triton's and once for Gluon's front end
 (their ``jit`` functions do not call each other).
@@ -32,30 +33,36 @@ ACTIVATIONS = {None: 0, "silu": 1, "swiglu": 2}
 
 
 @triton.jit
-def sigmoid(z):
-    """``1 / (1 + exp(-z))`` with CUDA's ``expf`` (see the module doc)."""
+def _exp(z):
+    """CUDA's ``expf`` (see the module doc)."""
     if _INTERPRETED:  # no libdevice there
-        return 1.0 / (1.0 + tl.exp(-z))
+        return tl.exp(z)
     else:
-        return 1.0 / (1.0 + libdevice.exp(-z))
+        return libdevice.exp(z)
 
 
 @triton.jit
 def apply(acc, ACTIVATION: tl.constexpr):
     """The activation of an output tile [BM, BN] (SwiGLU: [BM, BN // 2] from interleaved pairs)."""
-    if ACTIVATION == 1:
-        return acc * sigmoid(acc)
+    if ACTIVATION == 1:  # z / (1 + exp(-z)), as torch: z * sigmoid(z) would flush near z = -88
+        return acc / (1.0 + _exp(-acc))
     elif ACTIVATION == 2:
         value, gate = tl.split(tl.reshape(acc, [acc.shape[0], acc.shape[1] // 2, 2]))
-        return value * sigmoid(gate)
+        return value * (1.0 / (1.0 + _exp(-gate)))
     else:
         return acc
 
 
 @gluon.jit
-def gl_sigmoid(z):
-    """:func:`sigmoid` in Gluon."""
-    return 1.0 / (1.0 + gl_libdevice.exp(-z))
+def gl_silu(z):
+    """SiLU as :func:`apply` computes it, in Gluon."""
+    return z / (1.0 + gl_libdevice.exp(-z))
+
+
+@gluon.jit
+def gl_swiglu(value, gate):
+    """SwiGLU as :func:`apply` computes it, in Gluon."""
+    return value * (1.0 / (1.0 + gl_libdevice.exp(-gate)))
 
 
 def interleave(weight: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from . import autotune
 from .context import on_device
-from .epilogue import ACTIVATIONS, activate, gl_sigmoid
+from .epilogue import ACTIVATIONS, activate, gl_silu, gl_swiglu
 from .gluon_common import descriptor, load_stage, ring, tile_offsets, tma_ready
 from .split import split_fp16x3
 from .triton_gemm import min_rows, sm_count
@@ -171,10 +171,10 @@ def _fp16x3_consumer(
         tma.store_wait(pendings=0)  # the previous tile has left ys (TMA clips rows, columns past M, N)
         gl.thread_barrier()
         if ACTIVATION == 1:
-            ys.store(acc * gl_sigmoid(acc))
+            ys.store(gl_silu(acc))
         elif ACTIVATION == 2:  # interleaved value, gate columns: half as many of h
             value, gate = gl.split(gl.reshape(acc, [BM, BN // 2, 2]))
-            ys.store(value * gl_sigmoid(gate))
+            ys.store(gl_swiglu(value, gate))
         else:
             ys.store(acc)
         fence_async_shared()
