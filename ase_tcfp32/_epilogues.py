@@ -1,24 +1,28 @@
-"""Linear layers fused with what follows them: ``act(x @ W^T + b + residual)`` in one GEMM.
+"""Linear layers fused with what precedes and follows them: ``act(norm(x) @ W^T + b + r)`` in one GEMM.
 
-Between PET's GEMMs run passes over memory that a GEMM could do while its output tile is
-still in registers (:mod:`ase_tcfp32._kernels.epilogue`): the residual additions of the
+Between PET's GEMMs run passes over memory that a GEMM could do while its operands or its
+output tile are in registers (:mod:`ase_tcfp32._kernels.epilogue`): the RMS norms before
+the attention's and the feed-forwards' input projections, the residual additions of the
 transformer layers and of the message combination, the SiLU of the compression, the
 combination and the heads, and the SwiGLU of the feed-forwards. At 17,280 water atoms
 with PET-S each such pass reads or writes 0.5-2.3 GB. :func:`linear` runs them in the
-epilogue of the layer's own kernel where it can:
+layer's own kernel where it can:
 
 - a residual, in every evaluation: its gradient is the output's, so backward is the
   layer's input gradient and nothing else (:class:`_Residual`);
-- an activation, where no gradient is asked for (energy-only calls, direct forces, the
-  inner steps of multiple time stepping): the layer then writes ``h`` only, not the
-  pre-activation that a backward pass would need. SwiGLU reads the layer's weight with
-  its value and gate rows interleaved (split once per weight, :func:`_interleaved`).
+- an activation and an RMS norm before the layer, where no gradient is asked for
+  (energy-only calls, direct forces, the inner steps of multiple time stepping): the
+  layer then writes ``h`` only, not the pre-activation that a backward pass would need,
+  and reads x once, summing its squares while it splits it. The norm's weight is
+  multiplied into the layer's columns and the rows' ``1 / sqrt(mean(x^2) + eps)`` into
+  the product; SwiGLU reads the layer's weight with its value and gate rows interleaved
+  (both split once per weight, :func:`_derived`).
 
 Everywhere else (CPU, cuBLAS FP32 for small GEMMs, the tensor-core model, ``fp32``,
-``torch.compile``, trainable weights, gradients through an activation) the same steps run
-one after another, as metatrain writes them. A call the accuracy watchdog is due to check
-runs composed too, so the check sees the plain GEMM (:func:`ase_tcfp32.watchdog.due`).
-"""
+``torch.compile``, trainable weights, gradients through a norm or an activation, a
+LayerNorm) the same steps run one after another, as metatrain writes them. A call the
+accuracy watchdog is due to check runs composed too, so the check sees the plain GEMM
+(:func:`ase_tcfp32.watchdog.due`)."""
 
 from __future__ import annotations
 
@@ -36,8 +40,9 @@ from ._fused import swiglu
 from ._kernels.context import INTERPRETED
 from .layers import TCLinear, _grad_input
 
-_INTERLEAVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""Per SwiGLU input layer: (key, split weight, bias) with interleaved rows."""
+_DERIVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per layer, per norm before it: (key, split weight, bias) with the norm's weight folded
+in and, for SwiGLU, the value and gate rows interleaved."""
 
 _state = threading.local()
 
@@ -53,8 +58,8 @@ def unfused() -> Iterator[None]:
         _state.off = saved
 
 
-def _composed(layer: torch.nn.Module, x: torch.Tensor, residual, activation) -> torch.Tensor:
-    z = layer(x)
+def _composed(layer: torch.nn.Module, x: torch.Tensor, residual, activation, norm) -> torch.Tensor:
+    z = layer(x if norm is None else norm(x))
     if residual is not None:
         z = z + residual
     if activation == "silu":
@@ -74,18 +79,36 @@ def _kernel_backend(layer: torch.nn.Module, x: torch.Tensor):
     return backend if hasattr(backend, "fused") else None
 
 
-def _interleaved(layer: TCLinear, backend, device: torch.device) -> tuple:
-    """``layer``'s weight and bias with value and gate rows interleaved, split by ``backend``."""
+def _foldable(norm: torch.nn.Module | None, x: torch.Tensor) -> bool:
+    """Whether ``norm`` before a layer can run in the layer's kernel: an RMS norm over the
+    last dimension of ``x``, frozen."""
+    return (
+        isinstance(norm, torch.nn.RMSNorm)
+        and tuple(norm.normalized_shape) == (x.shape[-1],)
+        and (norm.weight is None or not norm.weight.requires_grad)
+    )
+
+
+def _derived(layer: TCLinear, backend, device: torch.device, norm, interleaved: bool) -> tuple:
+    """``layer``'s weight split by ``backend`` and its bias, with the ``norm``'s weight
+    multiplied into its columns (in float64, rounded once) and, ``interleaved``, its value
+    and gate rows interleaved (:func:`ase_tcfp32._kernels.epilogue.interleave`)."""
     from ._kernels.epilogue import interleave
 
-    w, b = layer.weight, layer.bias
-    key = (layer.precision, device, w.data_ptr(), w._version, None if b is None else (b.data_ptr(), b._version))
-    cached = _INTERLEAVED.get(layer)
-    if cached is None or cached[0] != key:
-        bias = None if b is None else interleave(b.detach().to(device))
-        cached = (key, backend.prepare(interleave(w.detach().to(device))), bias)
-        _INTERLEAVED[layer] = cached
-    return cached[1], cached[2]
+    w, b, g = layer.weight, layer.bias, None if norm is None else norm.weight
+    key = (layer.precision, device, interleaved) + tuple(
+        None if t is None else (t.data_ptr(), t._version) for t in (w, b, g)
+    )
+    cached = _DERIVED.setdefault(layer, {})
+    if cached.get(id(norm), (None,))[0] != key:
+        weight = w.detach().to(device)
+        if g is not None:
+            weight = (weight.double() * g.detach().to(device).double()).float()
+        bias = None if b is None else b.detach().to(device)
+        if interleaved:
+            weight, bias = interleave(weight), None if bias is None else interleave(bias)
+        cached[id(norm)] = (key, backend.prepare(weight), bias)
+    return cached[id(norm)][1:]
 
 
 class _Residual(torch.autograd.Function):
@@ -111,39 +134,46 @@ def linear(
     x: torch.Tensor,
     residual: torch.Tensor | None = None,
     activation: str | None = None,
+    norm: torch.nn.Module | None = None,
 ) -> torch.Tensor:
-    """``activation(layer(x) + residual)`` for a Linear ``layer``, ``x`` [..., K] and
+    """``activation(layer(norm(x)) + residual)`` for a Linear ``layer``, ``x`` [..., K] and
     ``residual`` [..., N]; ``activation`` None, ``"silu"`` or ``"swiglu"`` (metatrain's
-    ``v * sigmoid(g)`` of the output's halves ``[v | g]``: [M, N / 2]). One kernel where
-    the layer's backend fuses it (see the module doc), else the steps one by one."""
+    ``v * sigmoid(g)`` of the output's halves ``[v | g]``: [..., N / 2]), ``norm`` a module
+    applied to ``x`` first. One kernel where the layer's backend fuses it (see the module
+    doc), else the steps one by one."""
     backend = _kernel_backend(layer, x)
     grad = torch.is_grad_enabled() and (x.requires_grad or (residual is not None and residual.requires_grad))
+    if norm is not None and (grad or backend is None or not _foldable(norm, x)):
+        x, norm = norm(x), None  # a norm with gradients, or one the kernels do not fold, runs on its own
     if backend is None or (grad and (activation is not None or residual is None)) or watchdog.due(layer, "forward"):
-        return _composed(layer, x, residual, activation)
+        return _composed(layer, x, residual, activation, norm)
     shape = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1]).contiguous()
     residual = None if residual is None else residual.reshape(x.shape[0], -1).contiguous()
-    if activation == "swiglu":
-        prepared, bias = _interleaved(layer, backend, x.device)
+    if activation == "swiglu" or norm is not None:
+        prepared, bias = _derived(layer, backend, x.device, norm, activation == "swiglu")
     else:
         prepared, bias = layer.prepared_weight(x.device), layer.bias
     if grad:  # a residual alone (see above)
         y = _Residual.apply(x, residual, layer, backend, prepared, bias)
     else:
-        y = backend.fused(x, prepared, bias, residual, activation)
+        eps = None if norm is None else (torch.finfo(x.dtype).eps if norm.eps is None else norm.eps)
+        y = backend.fused(x, prepared, bias, residual, activation, eps)
         if y is None:  # too few rows for the kernel
-            return _composed(layer, x, residual, activation)
+            return _composed(layer, x, residual, activation, norm)
     watchdog.skipped(layer, "forward")
     return y.reshape(*shape, y.shape[-1])
 
 
-def feed_forward(mlp: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """``residual + mlp(x)`` for metatrain's ``FeedForward`` ``mlp`` (SwiGLU or not),
+def feed_forward(
+    mlp: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None, norm: torch.nn.Module | None = None
+) -> torch.Tensor:
+    """``residual + mlp(norm(x))`` for metatrain's ``FeedForward`` ``mlp`` (SwiGLU or not),
     through :func:`linear`."""
     if mlp.is_swiglu:
-        hidden = linear(mlp.w_in, x, activation="swiglu")
+        hidden = linear(mlp.w_in, x, activation="swiglu", norm=norm)
     else:
-        hidden = mlp.activation(mlp.w_in(x))
+        hidden = mlp.activation(linear(mlp.w_in, x, norm=norm))
     return linear(mlp.w_out, hidden, residual)
 
 

@@ -68,16 +68,15 @@ def _inner(layer: torch.nn.Module) -> torch.nn.Module:
 
 
 def _attention(
-    block: torch.nn.Module, edges: torch.Tensor, nodes: torch.Tensor, factors: torch.Tensor, sequences
+    block: torch.nn.Module, edges: torch.Tensor, nodes: torch.Tensor, factors: torch.Tensor, sequences, norm=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """metatrain's ``AttentionBlock`` up to its output projection, on the edge tokens [R, d]
-    and center tokens [N, d], the edges' cutoff ``factors`` [R] weighting them as keys (the
-    center tokens': 1)."""
+    and center tokens [N, d] (``norm`` applied to both first), the edges' cutoff ``factors``
+    [R] weighting them as keys (the center tokens': 1)."""
     scale = 1.0 / (block.head_dim**0.5 * block.temperature)
     bias = torch.log(torch.clamp(factors, block.epsilon))
-    return tc_attention_packed(
-        block.input_linear(edges), block.input_linear(nodes), bias, sequences, block.num_heads, scale
-    )
+    qkv, center_qkv = (linear(block.input_linear, tokens, norm=norm) for tokens in (edges, nodes))
+    return tc_attention_packed(qkv, center_qkv, bias, sequences, block.num_heads, scale)
 
 
 def _transformer_layer(
@@ -87,12 +86,10 @@ def _transformer_layer(
     ``cat`` and ``split`` become two tensors that only the attention reads together."""
     center, block = layer.center_contraction(nodes), layer.attention
     if layer.transformer_type == "PreLN":
-        out, center_out = _attention(
-            block, layer.norm_attention(edges), layer.norm_attention(center), factors, sequences
-        )
+        out, center_out = _attention(block, edges, center, factors, sequences, layer.norm_attention)
         edges = linear(block.output_linear, out, residual=edges)
         new_center = block.output_linear(center_out)
-        edges = feed_forward(layer.mlp, layer.norm_mlp(edges), residual=edges)
+        edges = feed_forward(layer.mlp, edges, residual=edges, norm=layer.norm_mlp)
     else:
         out, center_out = _attention(block, edges, center, factors, sequences)
         edges = layer.norm_attention(linear(block.output_linear, out, residual=edges))
@@ -101,7 +98,7 @@ def _transformer_layer(
         new_center = layer.norm_mlp(feed_forward(layer.mlp, new_center, residual=new_center))
     if layer.expanded_node_features:
         nodes = linear(layer.center_expansion, new_center, residual=nodes)
-        return feed_forward(layer.center_mlp, layer.norm_center_features(nodes), residual=nodes), edges
+        return feed_forward(layer.center_mlp, nodes, residual=nodes, norm=layer.norm_center_features), edges
     return new_center, edges
 
 

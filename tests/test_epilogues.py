@@ -100,10 +100,19 @@ INTERPRETED = textwrap.dedent(
                 expected = _epilogues.linear(layer, x, r if activation != "swiglu" else None, activation)
         assert torch.allclose(y, expected, rtol=1e-5, atol=1e-5), activation
     assert len(calls) == 3
+    # an RMS norm before the layer, its weight folded into the layer's: the norm's values
+    norm = torch.nn.RMSNorm(48, eps=1e-5).requires_grad_(False)
+    norm.weight.copy_(torch.rand(48, generator=g) + 0.5)
+    for activation in (None, "swiglu"):
+        with torch.no_grad():
+            y = _epilogues.linear(layer, 3 * x, None, activation, norm)
+            expected = _epilogues._composed(layer, 3 * x, None, activation, norm)
+        assert torch.allclose(y, expected, rtol=1e-5, atol=1e-5), activation
+    assert len(calls) == 5
     # with gradients: the residual fused, its gradient and the input's as unfused
     xg, rg = x.clone().requires_grad_(), r.clone().requires_grad_()
     _epilogues.linear(layer, xg, rg).pow(2).sum().backward()
-    assert len(calls) == 4
+    assert len(calls) == 6
     xu, ru = x.clone().requires_grad_(), r.clone().requires_grad_()
     (layer(xu) + ru).pow(2).sum().backward()
     assert torch.allclose(xg.grad, xu.grad, rtol=1e-5, atol=1e-4) and torch.allclose(rg.grad, ru.grad, rtol=1e-5, atol=1e-4)
@@ -112,7 +121,7 @@ INTERPRETED = textwrap.dedent(
     layer.check_accuracy = 1
     with torch.no_grad():
         _epilogues.linear(layer, x, r, "silu")
-    assert len(calls) == 4
+    assert len(calls) == 6
     print("interpreter epilogues ok")
     """
 )
@@ -138,17 +147,29 @@ def test_fused_epilogues_on_the_gpu(precision):
     x = torch.randn(m, k, generator=g, device=device)
     w = torch.randn(n, k, generator=g, device=device) / 16
     b, r = torch.randn(n, generator=g, device=device), torch.randn(m, n, generator=g, device=device)
-    for activation, residual in [(None, r), ("silu", None), ("silu", r), ("swiglu", None)]:
+    gamma = torch.rand(k, generator=g, device=device) + 0.5
+    rms = torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)
+    for activation, residual, eps in [
+        (None, r, None),
+        ("silu", None, None),
+        ("silu", r, None),
+        ("swiglu", None, None),
+        ("swiglu", None, 1e-6),
+        (None, None, 1e-6),
+    ]:
         weight, bias = (interleave(w), interleave(b)) if activation == "swiglu" else (w, b)
-        z = x.double() @ weight.double().T + bias.double()
+        normed = x.double() * rms if eps else x.double()  # the RMS norm's weight gamma folded into the layer's
+        weight = (weight.double() * gamma.double()).float() if eps else weight
+        z = normed @ weight.double().T + bias.double()
         prepared = backend.prepare(weight)
-        y = backend.fused(x, prepared, bias, residual, activation)
-        plain = backend.forward(x, prepared, bias) + (0.0 if residual is None else residual)
+        y = backend.fused(x, prepared, bias, residual, activation, eps)
+        steps = backend.forward((normed.float() if eps else x).contiguous(), prepared, bias)
+        plain = steps + (0.0 if residual is None else residual)
         exact = activate(z + (0.0 if residual is None else residual.double()), activation)
         steps = activate(plain, activation)  # what the unfused layers compute
         fused_error, steps_error = ((t.double() - exact).abs().max().item() for t in (y, steps))
-        assert fused_error <= 1.5 * steps_error + 1e-6, (activation, fused_error, steps_error)
-        if activation == "silu":  # the kernel's SiLU: a few units of SiLU of its own product
+        assert fused_error <= 1.5 * steps_error + 1e-6, (activation, eps, fused_error, steps_error)
+        if activation == "silu" and not eps:  # the kernel's SiLU: a few units of SiLU of its own product
             own = torch.nn.functional.silu(plain.double())
             assert ((y.double() - own).abs() <= 8 * U * own.abs() + 1e-30).all()
 
@@ -181,3 +202,33 @@ def test_fused_silu_everywhere_on_the_gpu():
         y = _epilogues.linear(layer, rows, activation="silu")[:3, 0]
     expected = torch.nn.functional.silu(specials)
     assert np.array_equal(torch.isnan(y).cpu().numpy(), torch.isnan(expected).cpu().numpy())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp16x3", "tf32x3"])
+def test_fused_pet_is_as_accurate_as_unfused_on_the_gpu(precision):
+    """PET-S shape, 1,536 water atoms: energies and direct forces and stress with the fused
+    layers (no gradient asked) no further from float64 than the unfused layers'; and the
+    conservative forces (fused residuals) too."""
+    import contextlib
+    import copy
+
+    from ase_tcfp32 import TCPETCalculator
+    from ase_tcfp32.testing import random_pet
+    from ase_tcfp32.validation import water_box
+
+    pet = random_pet("s", seed=0)
+    atoms = water_box(512, seed=0)
+    wanted = ["energy", "energies", "non_conservative_forces", "non_conservative_stress"]
+    results = {}
+    for name, options in {"fp64": {"dtype": "float64"}, "fused": {}, "unfused": {}}.items():
+        options = options or {"precision": precision}
+        with _epilogues.unfused() if name == "unfused" else contextlib.nullcontext():  # graphs recorded so
+            calc = TCPETCalculator(copy.deepcopy(pet), device="cuda", progress=False, check_accuracy=0, **options)
+            results[name] = calc.evaluate([atoms], wanted)[0] | calc.evaluate([atoms])[0]
+        del calc
+    exact = results["fp64"]
+    for key in ("energy", "energies", "non_conservative_forces", "non_conservative_stress", "forces", "stress"):
+        scale = np.abs(exact[key]).max()
+        fused, unfused = (np.abs(np.asarray(results[k][key]) - exact[key]).max() for k in ("fused", "unfused"))
+        assert fused <= 2 * unfused + 16 * U * scale, (key, fused, unfused)

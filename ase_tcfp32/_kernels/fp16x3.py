@@ -53,21 +53,24 @@ def _pow2_scales(amax):
 
 
 @gluon.jit
-def _split(x_s, a_layout: gl.constexpr, rows_layout: gl.constexpr):
+def _split(x_s, a_layout: gl.constexpr, rows_layout: gl.constexpr, SQUARES: gl.constexpr = False):
     """A K-tile of x as the products use it: ``x = 2^-a (hi + lo)`` in FP16 with one power
     of two ``2^a`` per row; returns ``hi``, ``lo``, ``hi_c`` (``hi`` for the product with
-    ``w_lo``) and ``2^-a``. Inf and NaN inputs reach the tile through ``hi * w_hi``; their
+    ``w_lo``), ``2^-a`` and, with ``SQUARES``, the rows' sums of squares (else their maxima). Inf and NaN inputs reach the tile through ``hi * w_hi``; their
     corrections are made finite by clamps that never bind on finite inputs (``|x - hi| <=
     8`` at this scale; ``maximum`` returns its non-NaN operand), so they change no
     non-finite result (two instructions per element fewer than selects)."""
     x = x_s.load(a_layout)
-    up, down = _pow2_scales(gl.max(gl.abs(x), axis=1))
+    row = gl.max(gl.abs(x), axis=1)
+    up, down = _pow2_scales(row)
+    if SQUARES:
+        row = gl.sum(x * x, axis=1)
     x = x * gl.expand_dims(up, 1)
     hi = x.to(gl.float16)
     lo = gl.maximum(x - hi.to(gl.float32), -16.0).to(gl.float16)
     largest = gl.full(hi.shape, 65504.0, gl.float16, a_layout)
     hi_c = gl.minimum(gl.maximum(hi, -largest), largest)
-    return hi, lo, hi_c, gl.convert_layout(down, rows_layout)
+    return hi, lo, hi_c, gl.convert_layout(down, rows_layout), row
 
 
 @gluon.jit
@@ -109,12 +112,15 @@ def _fp16x3_consumer(
     bias_ptr,
     residual_ptr,
     stride_r,
+    inv_k,
+    eps,
     M,
     N,
     num_k,
     HAS_BIAS: gl.constexpr,
     HAS_RESIDUAL: gl.constexpr,
     ACTIVATION: gl.constexpr,
+    RMS: gl.constexpr,
     GROUP_M: gl.constexpr,
     STAGES: gl.constexpr,
     num_warps: gl.constexpr,
@@ -143,13 +149,15 @@ def _fp16x3_consumer(
         # the words of ki - 1 stay alive until its wait (the wgmma read them from registers)
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        hi, lo, hi_c, down = _split(xs.index(s), a_layout, rows_layout)
+        hi, lo, hi_c, down, squares = _split(xs.index(s), a_layout, rows_layout, RMS)
         pending = _issue(hi, lo, hi_c, his.index(s), los.index(s), prev)
         for ki in range(1, num_k):
             it += 1
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            next_hi, next_lo, next_hi_c, next_down = _split(xs.index(s), a_layout, rows_layout)
+            next_hi, next_lo, next_hi_c, next_down, more = _split(xs.index(s), a_layout, rows_layout, RMS)
+            if RMS:
+                squares = squares + more
             prev, hi, lo, hi_c = warpgroup_mma_wait(num_outstanding=0, deps=(pending, hi, lo, hi_c))
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
             acc = acc + prev * gl.expand_dims(down, 1)
@@ -161,6 +169,8 @@ def _fp16x3_consumer(
         acc = acc + prev * gl.expand_dims(down, 1)
         cols = off_n + gl.arange(0, BN, layout=cols_layout)
         acc = acc * gl.expand_dims(gl.load(scale_ptr + cols, mask=cols < N, other=0.0), 0)
+        if RMS:  # the input rows' RMS norm: x / sqrt(mean(x^2) + eps) (its weight is in w)
+            acc = acc * gl.expand_dims(gl.rsqrt(gl.convert_layout(squares, rows_layout) * inv_k + eps), 1)
         if HAS_BIAS:
             acc = acc + gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0), 0)
         if HAS_RESIDUAL:
@@ -192,11 +202,14 @@ def _fp16x3_kernel(
     bias_ptr,
     residual_ptr,
     stride_r,
+    inv_k,
+    eps,
     M,
     N,
     HAS_BIAS: gl.constexpr,
     HAS_RESIDUAL: gl.constexpr,
     ACTIVATION: gl.constexpr,
+    RMS: gl.constexpr,
     STAGES: gl.constexpr,
     GROUP_M: gl.constexpr,
     num_warps: gl.constexpr,
@@ -223,12 +236,15 @@ def _fp16x3_kernel(
                     bias_ptr,
                     residual_ptr,
                     stride_r,
+                    inv_k,
+                    eps,
                     M,
                     N,
                     num_k,
                     HAS_BIAS,
                     HAS_RESIDUAL,
                     ACTIVATION,
+                    RMS,
                     GROUP_M,
                     STAGES,
                     num_warps,
@@ -296,10 +312,13 @@ def launch(
     config: dict | None = None,
     residual: torch.Tensor | None = None,
     activation: str | None = None,
+    rms_eps: float | None = None,
 ) -> torch.Tensor:
     """``act(x [M, K] @ w^T + bias + residual)`` as [M, N] (:mod:`.epilogue`; SwiGLU:
     [M, N // 2] from words of interleaved rows), on the GPU whatever M is (with ``config``,
-    default the one ``w`` was tuned for)."""
+    default the one ``w`` was tuned for); with ``rms_eps`` each row of the product divided
+    by ``sqrt(mean(x^2) + rms_eps)`` over its row of x (an RMS norm before a layer, its
+    weight multiplied into ``w``)."""
     config = config or w.config
     m, k = x.shape
     _, n, kp = w.words.shape
@@ -320,11 +339,14 @@ def launch(
             bias if bias is not None else y,
             residual if residual is not None else y,
             0 if residual is None else residual.stride(0),
+            1.0 / k,
+            0.0 if rms_eps is None else rms_eps,
             m,
             n,
             HAS_BIAS=bias is not None,
             HAS_RESIDUAL=residual is not None,
             ACTIVATION=ACTIVATIONS[activation],
+            RMS=rms_eps is not None,
             STAGES=config["STAGES"],
             GROUP_M=config["GROUP_M"],
             num_warps=config["num_warps"],
@@ -357,13 +379,15 @@ class Fp16x3Backend:
         bias: torch.Tensor | None,
         residual: torch.Tensor | None = None,
         activation: str | None = None,
+        rms_eps: float | None = None,
     ) -> torch.Tensor | None:
-        """``act(x @ weight.T + bias + residual)`` in one kernel (:mod:`.epilogue`), or None
-        where :meth:`forward` would not run the kernel (the caller composes the steps)."""
+        """``act(x @ weight.T + bias + residual)`` in one kernel (:mod:`.epilogue`; ``rms_eps``:
+        see :func:`launch`), or None where :meth:`forward` would not run the kernel (the
+        caller composes the steps)."""
         if prepared.forward is None or x.shape[0] < prepared.forward.min_rows:
             return None
         bias = None if bias is None else bias.detach().contiguous()
-        return launch(x, prepared.forward, bias, residual=residual, activation=activation)
+        return launch(x, prepared.forward, bias, residual=residual, activation=activation, rms_eps=rms_eps)
 
     def grad_input(self, grad_y: torch.Tensor, prepared: Prepared) -> torch.Tensor:
         if prepared.backward is None or grad_y.shape[0] < prepared.backward.min_rows:

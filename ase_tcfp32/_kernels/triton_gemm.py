@@ -117,11 +117,13 @@ def _linear_kernel(
     KP,
     stride_xm,
     stride_ym,
+    eps,
     WORDS: tl.constexpr,
     TMA: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     ACTIVATION: tl.constexpr,
+    RMS: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -142,9 +144,12 @@ def _linear_kernel(
     acc = tl.zeros((BM, BN), dtype=tl.float32)  # FP32 running sum of the hi*hi tiles
     last = tl.zeros((BM, BN), dtype=tl.float32)  # the previous tile, added one step late
     small = tl.zeros((BM, BN), dtype=tl.float32)  # tensor-core sum of the corrections
+    squares = tl.zeros((BM,), dtype=tl.float32)  # with RMS: the rows' sums of squares
     for k0 in range(0, K, BK):
         kk = k0 + tl.arange(0, BK)
         a = _load_x(x_ptr, x_desc, rm, kk, row0, k0, M, K, stride_xm, TMA)
+        if RMS:
+            squares += tl.sum(a * a, axis=1)
         b0 = _load_w(w_ptr, w_desc, 0, rn, kk, col0, k0, N, KP, TMA)
         if WORDS == 1:
             acc = tl.dot(_round_tf32(a), b0, acc, input_precision="tf32")
@@ -173,6 +178,8 @@ def _linear_kernel(
             last = tile
     if WORDS > 1:
         acc = (acc + last) + small
+    if RMS:  # the input rows' RMS norm: x / sqrt(mean(x^2) + eps) (its weight is in w)
+        acc = acc * tl.rsqrt(squares / K + eps)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0)[None, :]
     if HAS_RESIDUAL:
@@ -263,9 +270,12 @@ def launch(
     bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     activation: str | None = None,
+    rms_eps: float | None = None,
 ) -> torch.Tensor:
     """``act(x [M, K] @ w^T + bias + residual)`` with the split weight ``gemm``, as [M, N]
-    (:mod:`.epilogue`; SwiGLU: [M, N // 2] from a weight split with interleaved rows)."""
+    (:mod:`.epilogue`; SwiGLU: [M, N // 2] from a weight split with interleaved rows); with
+    ``rms_eps`` each row of the product divided by ``sqrt(mean(x^2) + rms_eps)`` over its
+    row of x (an RMS norm before the layer, its weight multiplied into ``w``)."""
     m, k = x.shape
     words, n, kp = gemm.words.shape
     out = n // 2 if activation == "swiglu" else n
@@ -295,11 +305,13 @@ def launch(
             kp,
             x.stride(0),
             y.stride(0),
+            0.0 if rms_eps is None else rms_eps,
             WORDS=words,
             TMA=tma,
             HAS_BIAS=bias is not None,
             HAS_RESIDUAL=residual is not None,
             ACTIVATION=ACTIVATIONS[activation],
+            RMS=rms_eps is not None,
             **config,
         )
     return y
@@ -378,13 +390,15 @@ class TritonBackend:
         bias: torch.Tensor | None,
         residual: torch.Tensor | None = None,
         activation: str | None = None,
+        rms_eps: float | None = None,
     ) -> torch.Tensor | None:
-        """``act(x @ weight.T + bias + residual)`` in one kernel (:mod:`.epilogue`), or None
-        where :meth:`forward` would not run the kernel (the caller composes the steps)."""
+        """``act(x @ weight.T + bias + residual)`` in one kernel (:mod:`.epilogue`; ``rms_eps``:
+        see :func:`launch`), or None where :meth:`forward` would not run the kernel (the
+        caller composes the steps)."""
         if x.shape[0] < prepared.forward.min_rows:
             return None
         bias = None if bias is None else bias.detach().contiguous()
-        return launch(x, prepared.forward, bias, residual, activation)
+        return launch(x, prepared.forward, bias, residual, activation, rms_eps)
 
     def grad_input(self, grad_y: torch.Tensor, prepared: Prepared) -> torch.Tensor:
         if grad_y.shape[0] < prepared.backward.min_rows:
