@@ -10,7 +10,8 @@ layer's own kernel where it can:
 
 - a residual, in every evaluation: its gradient is the output's, so backward is the
   layer's input gradient and nothing else (:class:`_Residual`);
-- an activation and an RMS norm before the layer, where no gradient is asked for
+- an activation, the folded embeddings and an RMS norm before the layer, where no
+  gradient is asked for
   (energy-only calls, direct forces, the inner steps of multiple time stepping): the
   layer then writes ``h`` only, not the pre-activation that a backward pass would need,
   and reads x once, summing its squares while it splits it. The norm's weight is
@@ -38,6 +39,7 @@ from . import watchdog
 from ._backends import get_backend
 from ._fused import swiglu
 from ._kernels.context import INTERPRETED
+from ._kernels.epilogue import Embedding
 from .layers import TCLinear, _grad_input
 
 _DERIVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -61,7 +63,7 @@ def unfused() -> Iterator[None]:
 def _composed(layer: torch.nn.Module, x: torch.Tensor, residual, activation, norm) -> torch.Tensor:
     z = layer(x if norm is None else norm(x))
     if residual is not None:
-        z = z + residual
+        z = z + (residual.tensor().reshape(z.shape) if isinstance(residual, Embedding) else residual)
     if activation == "silu":
         return torch.nn.functional.silu(z)
     return swiglu(z) if activation == "swiglu" else z
@@ -132,16 +134,19 @@ class _Residual(torch.autograd.Function):
 def linear(
     layer: torch.nn.Module,
     x: torch.Tensor,
-    residual: torch.Tensor | None = None,
+    residual: torch.Tensor | Embedding | None = None,
     activation: str | None = None,
     norm: torch.nn.Module | None = None,
 ) -> torch.Tensor:
     """``activation(layer(norm(x)) + residual)`` for a Linear ``layer``, ``x`` [..., K] and
-    ``residual`` [..., N]; ``activation`` None, ``"silu"`` or ``"swiglu"`` (metatrain's
+    ``residual`` [..., N] (or an :class:`~ase_tcfp32._kernels.epilogue.Embedding` of that
+    many rows, which the kernel computes instead of reading); ``activation`` None, ``"silu"`` or ``"swiglu"`` (metatrain's
     ``v * sigmoid(g)`` of the output's halves ``[v | g]``: [..., N / 2]), ``norm`` a module
     applied to ``x`` first. One kernel where the layer's backend fuses it (see the module
     doc), else the steps one by one."""
     backend = _kernel_backend(layer, x)
+    if isinstance(residual, Embedding) and (backend is None or torch.is_grad_enabled()):
+        residual = residual.tensor().reshape(*x.shape[:-1], -1)  # computed in a kernel only without gradients
     grad = torch.is_grad_enabled() and (x.requires_grad or (residual is not None and residual.requires_grad))
     if norm is not None and (grad or backend is None or not _foldable(norm, x)):
         x, norm = norm(x), None  # a norm with gradients, or one the kernels do not fold, runs on its own
@@ -149,7 +154,8 @@ def linear(
         return _composed(layer, x, residual, activation, norm)
     shape = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1]).contiguous()
-    residual = None if residual is None else residual.reshape(x.shape[0], -1).contiguous()
+    if isinstance(residual, torch.Tensor):
+        residual = residual.reshape(x.shape[0], -1).contiguous()
     if activation == "swiglu" or norm is not None:
         prepared, bias = _derived(layer, backend, x.device, norm, activation == "swiglu")
     else:

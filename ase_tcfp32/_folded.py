@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ._epilogues import linear
+from ._kernels.epilogue import Embedding
 from ._swapping import lazy_subclass, swap_class
 from .layers import TCLinear
 
@@ -97,10 +98,10 @@ def compress(
     input ``messages`` [..., d], edge ``vectors`` [..., 3] (Å), their ``distances`` [...]
     and the neighbors' ``species`` indices [...], in any layout of the slots (metatrain's
     [atoms, J] table or packed rows)."""
-    fold, d = folded(self), messages.shape[-1]
+    fold = folded(self)
     geometry = torch.cat([vectors, distances[..., None]], dim=-1).to(vectors.dtype).reshape(-1, 4)
-    table = fold.species[0] if self.is_first else fold.species[species].reshape(-1, d)
-    known = torch.addmm(table, geometry, fold.geometry.T).reshape(messages.shape)
+    index = torch.zeros_like(species) if self.is_first else species  # the first layer's table: one row
+    known = Embedding(fold.species, index.reshape(-1), geometry, fold.geometry)
     hidden = linear(fold.messages, messages, residual=known, activation="silu")  # compress[1] is SiLU
     return linear(self.compress[2], hidden)
 

@@ -11,7 +11,7 @@ import torch
 from test_triton_interpreter import interpret
 
 from ase_tcfp32 import _epilogues, watchdog
-from ase_tcfp32._kernels.epilogue import activate, interleave
+from ase_tcfp32._kernels.epilogue import Embedding, activate, interleave
 from ase_tcfp32.layers import TCLinear
 
 U = 2.0**-24
@@ -85,6 +85,15 @@ INTERPRETED = textwrap.dedent(
                 assert y.shape == exact.shape, (m, k, n, activation)
                 assert ((y.double() - exact).abs() <= bound).all(), (m, k, n, activation, residual is not None)
 
+    # the folded edge embeddings, computed in the kernel: table[index] + geometry @ matrix^T
+    from ase_tcfp32._kernels.epilogue import Embedding
+    x, w = torch.randn(150, 64, generator=g), torch.randn(40, 64, generator=g)
+    table, geometry, matrix = (torch.randn(*shape, generator=g) for shape in ((5, 40), (150, 4), (40, 4)))
+    embedded = Embedding(table, torch.randint(0, 5, (150,), generator=g), geometry, matrix)
+    y = backend.fused(x, backend.prepare(w), None, embedded, "silu")
+    exact = torch.nn.functional.silu(x.double() @ w.double().T + embedded.tensor().double())
+    assert (y.double() - exact).abs().max() < 1e-4
+
     # _epilogues.linear with that backend: fused where it may be, the same values as unfused
     import ase_tcfp32.layers
     _epilogues.get_backend = ase_tcfp32.layers.get_backend = lambda precision, device, emulate: backend
@@ -149,7 +158,12 @@ def test_fused_epilogues_on_the_gpu(precision):
     b, r = torch.randn(n, generator=g, device=device), torch.randn(m, n, generator=g, device=device)
     gamma = torch.rand(k, generator=g, device=device) + 0.5
     rms = torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)
+    index = torch.randint(0, 7, (m,), generator=g, device=device)
+    embedded = Embedding(
+        torch.randn(7, n, generator=g, device=device), index, x[:, :4].contiguous(), w[:, :4].contiguous()
+    )
     for activation, residual, eps in [
+        ("silu", embedded, None),
         (None, r, None),
         ("silu", None, None),
         ("silu", r, None),
@@ -164,6 +178,7 @@ def test_fused_epilogues_on_the_gpu(precision):
         prepared = backend.prepare(weight)
         y = backend.fused(x, prepared, bias, residual, activation, eps)
         steps = backend.forward((normed.float() if eps else x).contiguous(), prepared, bias)
+        residual = residual.tensor() if isinstance(residual, Embedding) else residual
         plain = steps + (0.0 if residual is None else residual)
         exact = activate(z + (0.0 if residual is None else residual.double()), activation)
         steps = activate(plain, activation)  # what the unfused layers compute

@@ -17,10 +17,13 @@ rounding its argument. Written twice, once for Triton's and once for Gluon's fro
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.extra import libdevice as gl_libdevice
 from triton.language.extra import libdevice
 
@@ -30,6 +33,36 @@ _INTERPRETED = tl.constexpr(INTERPRETED)
 
 ACTIVATIONS = {None: 0, "silu": 1, "swiglu": 2}
 """Activation names and the kernels' ``ACTIVATION`` codes."""
+
+
+class Embedding(NamedTuple):
+    """A residual the epilogue computes instead of reading: ``table[index] + geometry @
+    matrix^T`` [M, N] (PET's edge embeddings folded into its compression,
+    :mod:`ase_tcfp32._folded`: a per-species row plus a K = 4 product on each pair's
+    vector and length)."""
+
+    table: torch.Tensor  # [T, N]
+    index: torch.Tensor  # [M] int64, rows of table
+    geometry: torch.Tensor  # [M, 4]
+    matrix: torch.Tensor  # [N, 4]
+
+    def tensor(self) -> torch.Tensor:
+        """The residual itself, [M, N], as torch computes it."""
+        return torch.addmm(self.table[self.index], self.geometry, self.matrix.T)
+
+
+@triton.jit
+def embedding(acc, rows, cols, M, N, table_ptr, index_ptr, geometry_ptr, matrix_ptr):
+    """``acc + table[index[rows]] + geometry[rows] @ matrix^T`` for an output tile (see
+    :class:`Embedding`; rows int64, columns in [0, N))."""
+    inside_rows, inside_cols = rows < M, cols < N
+    index = tl.load(index_ptr + rows, mask=inside_rows, other=0)
+    inside = inside_rows[:, None] & inside_cols[None, :]
+    acc += tl.load(table_ptr + index[:, None] * N + cols[None, :], mask=inside, other=0.0)
+    for j in tl.static_range(4):
+        g = tl.load(geometry_ptr + rows * 4 + j, mask=inside_rows, other=0.0)
+        acc += g[:, None] * tl.load(matrix_ptr + cols * 4 + j, mask=inside_cols, other=0.0)[None, :]
+    return acc
 
 
 @triton.jit
@@ -63,6 +96,21 @@ def gl_silu(z):
 def gl_swiglu(value, gate):
     """SwiGLU as :func:`apply` computes it, in Gluon."""
     return value * (1.0 / (1.0 + gl_libdevice.exp(-gate)))
+
+
+@gluon.jit
+def gl_embedding(acc, rows, cols, M, N, table_ptr, index_ptr, geometry_ptr, matrix_ptr):
+    """:func:`embedding` in Gluon (``rows``, ``cols`` in the slices of ``acc``'s layout)."""
+    inside_rows, inside_cols = rows < M, cols < N
+    index = gl.load(index_ptr + rows, mask=inside_rows, other=0)
+    inside = gl.expand_dims(inside_rows, 1) & gl.expand_dims(inside_cols, 0)
+    at = gl.expand_dims(index * N, 1) + gl.expand_dims(cols, 0)
+    acc = acc + gl.load(table_ptr + at, mask=inside, other=0.0)
+    for j in gl.static_range(4):
+        g = gl.load(geometry_ptr + rows * 4 + j, mask=inside_rows, other=0.0)
+        c = gl.load(matrix_ptr + cols * 4 + j, mask=inside_cols, other=0.0)
+        acc = acc + gl.expand_dims(g, 1) * gl.expand_dims(c, 0)
+    return acc
 
 
 def interleave(weight: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from . import autotune
 from .context import on_device
-from .epilogue import ACTIVATIONS, activate, gl_silu, gl_swiglu
+from .epilogue import ACTIVATIONS, Embedding, activate, gl_embedding, gl_silu, gl_swiglu
 from .gluon_common import descriptor, load_stage, ring, tile_offsets, tma_ready
 from .split import split_fp16x3
 from .triton_gemm import min_rows, sm_count
@@ -112,6 +112,10 @@ def _fp16x3_consumer(
     bias_ptr,
     residual_ptr,
     stride_r,
+    table_ptr,
+    index_ptr,
+    geometry_ptr,
+    matrix_ptr,
     inv_k,
     eps,
     M,
@@ -119,6 +123,7 @@ def _fp16x3_consumer(
     num_k,
     HAS_BIAS: gl.constexpr,
     HAS_RESIDUAL: gl.constexpr,
+    EMBED: gl.constexpr,
     ACTIVATION: gl.constexpr,
     RMS: gl.constexpr,
     GROUP_M: gl.constexpr,
@@ -178,6 +183,9 @@ def _fp16x3_consumer(
             at = gl.expand_dims(rows.to(gl.int64) * stride_r, 1) + gl.expand_dims(cols, 0)
             inside = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
             acc = acc + gl.load(residual_ptr + at, mask=inside, other=0.0)
+        if EMBED:
+            rows = (off_m + gl.arange(0, BM, layout=rows_layout)).to(gl.int64)
+            acc = gl_embedding(acc, rows, cols, M, N, table_ptr, index_ptr, geometry_ptr, matrix_ptr)
         tma.store_wait(pendings=0)  # the previous tile has left ys (TMA clips rows, columns past M, N)
         gl.thread_barrier()
         if ACTIVATION == 1:
@@ -202,12 +210,17 @@ def _fp16x3_kernel(
     bias_ptr,
     residual_ptr,
     stride_r,
+    table_ptr,
+    index_ptr,
+    geometry_ptr,
+    matrix_ptr,
     inv_k,
     eps,
     M,
     N,
     HAS_BIAS: gl.constexpr,
     HAS_RESIDUAL: gl.constexpr,
+    EMBED: gl.constexpr,
     ACTIVATION: gl.constexpr,
     RMS: gl.constexpr,
     STAGES: gl.constexpr,
@@ -236,6 +249,10 @@ def _fp16x3_kernel(
                     bias_ptr,
                     residual_ptr,
                     stride_r,
+                    table_ptr,
+                    index_ptr,
+                    geometry_ptr,
+                    matrix_ptr,
                     inv_k,
                     eps,
                     M,
@@ -243,6 +260,7 @@ def _fp16x3_kernel(
                     num_k,
                     HAS_BIAS,
                     HAS_RESIDUAL,
+                    EMBED,
                     ACTIVATION,
                     RMS,
                     GROUP_M,
@@ -310,11 +328,12 @@ def launch(
     w: Words,
     bias: torch.Tensor | None = None,
     config: dict | None = None,
-    residual: torch.Tensor | None = None,
+    residual: torch.Tensor | Embedding | None = None,
     activation: str | None = None,
     rms_eps: float | None = None,
 ) -> torch.Tensor:
-    """``act(x [M, K] @ w^T + bias + residual)`` as [M, N] (:mod:`.epilogue`; SwiGLU:
+    """``act(x [M, K] @ w^T + bias + residual)`` as [M, N] (:mod:`.epilogue`: the residual a
+    tensor or an :class:`~.epilogue.Embedding` computed in the kernel; SwiGLU:
     [M, N // 2] from words of interleaved rows), on the GPU whatever M is (with ``config``,
     default the one ``w`` was tuned for); with ``rms_eps`` each row of the product divided
     by ``sqrt(mean(x^2) + rms_eps)`` over its row of x (an RMS norm before a layer, its
@@ -322,9 +341,11 @@ def launch(
     config = config or w.config
     m, k = x.shape
     _, n, kp = w.words.shape
+    embed = isinstance(residual, Embedding)
+    tensor = residual is not None and not embed
     if m == 0 or k == 0:
-        z = torch.zeros((m, n), device=x.device, dtype=torch.float32)
-        return activate(z + (0.0 if bias is None else bias) + (0.0 if residual is None else residual), activation)
+        z = torch.zeros((m, n), device=x.device, dtype=torch.float32) + (0.0 if bias is None else bias)
+        return activate(z + (0.0 if residual is None else residual.tensor() if embed else residual), activation)
     out = n // 2 if activation == "swiglu" else n
     y = torch.empty((m, triton.cdiv(out, 4) * 4), device=x.device, dtype=torch.float32)  # 16-byte rows for TMA
     bm, bn, bk = config["BM"], config["BN"], config["BK"]
@@ -337,14 +358,16 @@ def launch(
             descriptor(y, [bm, bn // 2 if activation == "swiglu" else bn]),
             w.scale,
             bias if bias is not None else y,
-            residual if residual is not None else y,
-            0 if residual is None else residual.stride(0),
+            residual if tensor else y,
+            residual.stride(0) if tensor else 0,
+            *(residual if embed else (y, y, y, y)),
             1.0 / k,
             0.0 if rms_eps is None else rms_eps,
             m,
             n,
             HAS_BIAS=bias is not None,
-            HAS_RESIDUAL=residual is not None,
+            HAS_RESIDUAL=tensor,
+            EMBED=embed,
             ACTIVATION=ACTIVATIONS[activation],
             RMS=rms_eps is not None,
             STAGES=config["STAGES"],
@@ -377,7 +400,7 @@ class Fp16x3Backend:
         x: torch.Tensor,
         prepared: Prepared,
         bias: torch.Tensor | None,
-        residual: torch.Tensor | None = None,
+        residual: torch.Tensor | Embedding | None = None,
         activation: str | None = None,
         rms_eps: float | None = None,
     ) -> torch.Tensor | None:

@@ -31,7 +31,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import autotune
 from .context import on_device
-from .epilogue import ACTIVATIONS, activate, apply
+from .epilogue import ACTIVATIONS, Embedding, activate, apply, embedding
 from .split import round_tf32, split_bf16x3
 
 
@@ -110,6 +110,10 @@ def _linear_kernel(
     w_desc,
     bias_ptr,
     residual_ptr,
+    table_ptr,
+    index_ptr,
+    geometry_ptr,
+    matrix_ptr,
     y_ptr,
     M,
     N,
@@ -122,6 +126,7 @@ def _linear_kernel(
     TMA: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    EMBED: tl.constexpr,
     ACTIVATION: tl.constexpr,
     RMS: tl.constexpr,
     BM: tl.constexpr,
@@ -184,6 +189,8 @@ def _linear_kernel(
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0)[None, :]
     if HAS_RESIDUAL:
         acc += tl.load(residual_ptr + rm[:, None] * stride_ym + rn[None, :], mask=(rm[:, None] < M) & (rn[None, :] < N))
+    if EMBED:
+        acc = embedding(acc, rm, rn, M, N, table_ptr, index_ptr, geometry_ptr, matrix_ptr)
     acc = apply(acc, ACTIVATION)
     if ACTIVATION == 2:  # SwiGLU: the tile's interleaved pairs give BN // 2 columns of h
         rn = col0.to(tl.int64) // 2 + tl.arange(0, BN // 2)
@@ -268,12 +275,13 @@ def launch(
     x: torch.Tensor,
     gemm: Gemm,
     bias: torch.Tensor | None = None,
-    residual: torch.Tensor | None = None,
+    residual: torch.Tensor | Embedding | None = None,
     activation: str | None = None,
     rms_eps: float | None = None,
 ) -> torch.Tensor:
     """``act(x [M, K] @ w^T + bias + residual)`` with the split weight ``gemm``, as [M, N]
-    (:mod:`.epilogue`; SwiGLU: [M, N // 2] from a weight split with interleaved rows); with
+    (:mod:`.epilogue`: the residual a tensor or an :class:`~.epilogue.Embedding` computed
+    in the kernel; SwiGLU: [M, N // 2] from a weight split with interleaved rows); with
     ``rms_eps`` each row of the product divided by ``sqrt(mean(x^2) + rms_eps)`` over its
     row of x (an RMS norm before the layer, its weight multiplied into ``w``)."""
     m, k = x.shape
@@ -282,8 +290,10 @@ def launch(
     y = torch.empty((m, out), device=x.device, dtype=torch.float32)
     if m == 0:
         return y
+    embed = isinstance(residual, Embedding)
+    tensor = residual is not None and not embed
     if k == 0:
-        return y.copy_(activate(_constant(m, n, x.device, bias, residual), activation))
+        return y.copy_(activate(_constant(m, n, x.device, bias, residual.tensor() if embed else residual), activation))
     config = gemm.config
     tma = gemm.descriptor is not None and _tma_ready(x)
     x_desc = None
@@ -297,7 +307,8 @@ def launch(
             gemm.words,
             gemm.descriptor if tma else None,
             bias if bias is not None else y,
-            residual if residual is not None else y,
+            residual if tensor else y,
+            *(residual if embed else (y, y, y, y)),
             y,
             m,
             n,
@@ -309,7 +320,8 @@ def launch(
             WORDS=words,
             TMA=tma,
             HAS_BIAS=bias is not None,
-            HAS_RESIDUAL=residual is not None,
+            HAS_RESIDUAL=tensor,
+            EMBED=embed,
             ACTIVATION=ACTIVATIONS[activation],
             RMS=rms_eps is not None,
             **config,
@@ -388,7 +400,7 @@ class TritonBackend:
         x: torch.Tensor,
         prepared: Prepared,
         bias: torch.Tensor | None,
-        residual: torch.Tensor | None = None,
+        residual: torch.Tensor | Embedding | None = None,
         activation: str | None = None,
         rms_eps: float | None = None,
     ) -> torch.Tensor | None:
