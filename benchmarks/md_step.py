@@ -2,7 +2,7 @@
 
     python benchmarks/md_step.py [--models s,m] [--molecules 64,5760] [--engines metatomic,lean,graphs]
                                  [--compile both] [--low-memory] [--kinds conservative,direct,energy]
-                                 [--out FILE.json]
+                                 [--unfused] [--out FILE.json]
 
 Writes its rows into ``benchmarks/results/md_step_<gpu>.json`` (``--out``: elsewhere),
 replacing the rows of the same configurations and keeping the others.
@@ -19,12 +19,15 @@ backward pass (``TCPETCalculator(low_memory=True)``). ``--kinds`` says what a st
 ``conservative`` (forces and stress by the backward pass, the default), ``direct`` (the
 model's direct force and stress heads, ``non_conservative=True``: one forward pass) and
 ``energy`` (not an MD step: energy-only calls, ``get_potential_energy()`` on moved atoms,
-next to the same calls asking for forces too, ``energy_forces``).
+next to the same calls asking for forces too, ``energy_forces``). ``--unfused`` also times
+each FP32-accurate row with the GEMM epilogues unfused (``ase_tcfp32._epilogues.unfused``:
+norms, residuals, activations and the folded embeddings as separate passes), in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 import warnings
 
@@ -36,7 +39,7 @@ from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
 from ase.md.verlet import VelocityVerlet
 from ase.units import fs
 
-from ase_tcfp32 import TCPETCalculator
+from ase_tcfp32 import TCPETCalculator, _epilogues
 from ase_tcfp32.precision import FP32_ACCURATE
 from ase_tcfp32.testing import random_checkpoint
 from ase_tcfp32.validation import water_box
@@ -54,12 +57,18 @@ def time_steps(
     warmup: int = 3,
     table: bool = False,
     kind: str = "conservative",
+    fused: bool = True,
 ) -> dict:
     """Median and minimum ms per MD step and peak GPU memory (GB) of one configuration;
     the first call's time (compilation and graph recording included) separately; for the
     lean engines the neighbor table's final width, its widenings, the pair-list builds and
     whether PET ran on packed rows (``table``: on the neighbor table, even where the
-    calculator packs them)."""
+    calculator packs them). ``fused=False``: the whole run with the GEMM epilogues unfused."""
+    with contextlib.nullcontext() if fused else _epilogues.unfused():
+        return _time_steps(model, precision, atoms, steps, compile, engine, low_memory, skin, warmup, table, kind)
+
+
+def _time_steps(model, precision, atoms, steps, compile, engine, low_memory, skin, warmup, table, kind) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         calc = TCPETCalculator(
@@ -152,6 +161,11 @@ def main() -> None:
     parser.add_argument(
         "--kinds", default="conservative", help="comma-separated: conservative, direct, energy (see the module doc)"
     )
+    parser.add_argument(
+        "--unfused",
+        action="store_true",
+        help="also time the FP32-accurate rows with the GEMM epilogues unfused: what the fusions save, in the same run",
+    )
     parser.add_argument("--out", default=None, help="results file (default: benchmarks/results/md_step_<gpu>.json)")
     args = parser.parse_args()
     modes = {"no": [False], "yes": [True], "both": [False, True]}[args.compile]
@@ -171,13 +185,22 @@ def main() -> None:
                         for kind in args.kinds.split(",")
                         for k in (["energy", "energy_forces"] if kind == "energy" else [kind])
                     ]
-                    configurations = [(p, t, k) for p in args.precisions.split(",") for t in layouts for k in kinds]
-                    for precision, table, kind in configurations:
+                    fusions = [True, False] if args.unfused else [True]
+                    configurations = [
+                        (p, t, k, f)
+                        for p in args.precisions.split(",")
+                        for t in layouts
+                        for k in kinds
+                        for f in fusions
+                    ]
+                    for precision, table, kind, fused in configurations:
                         if (
                             table
                             and precision not in FP32_ACCURATE
                             or kind != "conservative"
                             and (table or precision == "fp32" and engine != "lean")
+                            or not fused
+                            and (table or precision not in FP32_ACCURATE)
                         ):
                             continue
                         row = {
@@ -189,6 +212,7 @@ def main() -> None:
                             "low_memory": args.low_memory,
                             "skin": args.skin,
                             "kind": kind,
+                            **({} if fused else {"epilogues": "unfused"}),
                         }
                         try:
                             row.update(
@@ -203,6 +227,7 @@ def main() -> None:
                                     args.skin,
                                     table=table,
                                     kind=kind,
+                                    fused=fused,
                                 )
                             )
                         except torch.OutOfMemoryError:
@@ -216,6 +241,7 @@ def main() -> None:
                             else row["error"]
                         )
                         name = f"{precision}{' (table)' if table else ''}{'' if kind == 'conservative' else ' ' + kind}"
+                        name += "" if fused else " unfused"
                         print(
                             f"{shape:>5} {len(atoms):>6} {engine:>9} {str(compiled):>8} {name:>9} {result}", flush=True
                         )
@@ -235,7 +261,7 @@ def main() -> None:
             save(args.out, rows)
 
 
-KEY = ("model", "atoms", "engine", "compiled", "precision", "low_memory", "skin", "edge_rows", "kind")
+KEY = ("model", "atoms", "engine", "compiled", "precision", "low_memory", "skin", "edge_rows", "kind", "epilogues")
 """What identifies a row of the results file: a new row replaces the old one with the same values."""
 
 

@@ -86,7 +86,8 @@ def configuration(row: dict) -> str:
         "energy": ", energy-only call",
         "energy_forces": ", energy + forces call",
     }[row.get("kind", "conservative")]
-    return f"{name}, {engine}" + (" + compile" if row["compiled"] else "") + kind
+    unfused = ", GEMM epilogues unfused" if row.get("epilogues") == "unfused" else ""
+    return f"{name}, {engine}" + (" + compile" if row["compiled"] else "") + kind + unfused
 
 
 def md_step() -> str:
@@ -106,7 +107,8 @@ def md_step() -> str:
                     for q in group
                     if q.get("kind") == "conservative"
                     and "ms" in q
-                    and (q["engine"], q["precision"], q["run"]) == (r["engine"], r["precision"], r["run"])
+                    and (q["engine"], q["precision"], q["run"], q.get("epilogues"))
+                    == (r["engine"], r["precision"], r["run"], r.get("epilogues"))
                 )
                 cells = [milliseconds(r["ms"]), f"{r['ms'] / step:.2f} of the step", f"{r['peak_GB']:.1f}"]
             out.append([shape(model), f"{atoms:,}", configuration(r), *cells])
