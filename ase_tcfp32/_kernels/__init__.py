@@ -27,7 +27,10 @@ __all__ = [
 
 
 class GemmBackend(Protocol):
-    """What :class:`ase_tcfp32.layers.TCLinear` asks of a GEMM backend (FP32 tensors)."""
+    """What :class:`ase_tcfp32.layers.TCLinear` asks of a GEMM backend (FP32 tensors). Our
+    kernels' backends also offer ``fused(x, prepared, bias, residual, activation, rms_eps)``,
+    the product with its neighbours in one kernel (:mod:`.epilogue`, :mod:`ase_tcfp32._epilogues`),
+    or None where they would not run their kernel."""
 
     def prepare(self, weight: torch.Tensor) -> Any:
         """Split the frozen ``weight`` [N, K] once (on a GPU also tune its launch
