@@ -426,7 +426,9 @@ def run(
 def _abort(comm, message: str) -> None:
     """Say ``message`` on standard error and end every rank (exit status 1). Rank 0 says it
     at once; another rank after 5 s, unless rank 0, failing too, has ended the run by then
-    (an error every rank meets is said once)."""
+    (an error every rank meets is said once). The abort waits a second after the message: an
+    abort right after the write could end ``mpiexec`` before it forwarded the message (a
+    test saw a failed run without it once, on a loaded machine)."""
     import time
 
     if comm.rank > 0:
@@ -435,6 +437,7 @@ def _abort(comm, message: str) -> None:
     sys.stderr.write(f"ase-tcfp32 lammps{where}: error: {message}\n")
     sys.stderr.flush()
     if comm.size > 1:
+        time.sleep(1.0)  # mpiexec forwards the rank's output through a pipe: let it pass the message on
         comm.Abort(1)
     raise SystemExit(1)
 
