@@ -3,21 +3,21 @@
 Between PET's GEMMs run passes over memory that a GEMM could do while its operands or its
 output tile are in registers (:mod:`ase_tcfp32._kernels.epilogue`): the RMS norms before
 the attention's and the feed-forwards' input projections, the residual additions of the
-transformer layers and of the message combination, the SiLU of the compression, the
-combination and the heads, and the SwiGLU of the feed-forwards. At 17,280 water atoms
-with PET-S each such pass reads or writes 0.5-2.3 GB. :func:`linear` runs them in the
-layer's own kernel where it can:
+transformer layers and of the message combination, the compression's folded edge
+embeddings (a per-species row and a K = 4 product, :mod:`ase_tcfp32._folded`), the SiLU
+of the compression, the combination and the heads, and the SwiGLU of the feed-forwards.
+At 17,280 water atoms with PET-S each such pass reads or writes 0.5-2.3 GB. :func:`linear`
+runs them in the layer's own kernel where it can:
 
 - a residual, in every evaluation: its gradient is the output's, so backward is the
   layer's input gradient and nothing else (:class:`_Residual`);
 - an activation, the folded embeddings and an RMS norm before the layer, where no
-  gradient is asked for
-  (energy-only calls, direct forces, the inner steps of multiple time stepping): the
-  layer then writes ``h`` only, not the pre-activation that a backward pass would need,
-  and reads x once, summing its squares while it splits it. The norm's weight is
-  multiplied into the layer's columns and the rows' ``1 / sqrt(mean(x^2) + eps)`` into
-  the product; SwiGLU reads the layer's weight with its value and gate rows interleaved
-  (both split once per weight, :func:`_derived`).
+  gradient is asked for (energy-only calls, direct forces, the inner steps of multiple
+  time stepping): the layer then writes ``h`` only, not the pre-activation that a
+  backward pass would need, and reads x once, summing its squares while it splits it.
+  The norm's weight is multiplied into the layer's columns and the rows' ``1 /
+  sqrt(mean(x^2) + eps)`` into the product; SwiGLU reads the layer's weight with its
+  value and gate rows interleaved (both split once per weight, :func:`_derived`).
 
 Everywhere else (CPU, cuBLAS FP32 for small GEMMs, the tensor-core model, ``fp32``,
 ``torch.compile``, trainable weights, gradients through a norm or an activation, a

@@ -1,19 +1,21 @@
-"""What a GEMM kernel can do to its output tile before writing it: PET's activations.
+"""What a GEMM kernel can do to its output tile before writing it: PET's activations,
+residuals and folded edge embeddings.
 
 ``y = act(x @ w^T + bias + residual)`` in one pass, with ``act`` one of
 :data:`ACTIVATIONS`: nothing, SiLU (``z sigmoid(z)``: the compression, the message
 combination and the heads) or SwiGLU (``v sigmoid(g)``: the transformer's
 feed-forwards). For SwiGLU the weight's rows are interleaved (:func:`interleave`), value
 row i next to gate row i, so that every output tile holds matching pairs side by side
-and the kernel writes ``h`` [M, F] instead of ``[v | g]`` [M, 2F].
+and the kernel writes ``h`` [M, F] instead of ``[v | g]`` [M, 2F]. The residual is a
+tensor the kernel reads, or an :class:`Embedding` it computes (:func:`embedding`). The
+kernels can also divide each row of the product by its input row's RMS (an RMS norm
+before the layer, its weight multiplied into ``w``: ``rms_eps`` of their launchers).
 
 SiLU is ``z / (1 + exp(-z))`` and SwiGLU ``v * (1 / (1 + exp(-g)))``, as torch and our
 SwiGLU kernel compute them, with libdevice's ``exp`` (CUDA's ``expf``: at most 2 units in
-the last place); Triton's approximate
-``tl.exp`` (``ex2`` of ``z log2(e)``) would lose ``|z| 2^-24`` of relative accuracy in
-rounding its argument. Written twice, once for Triton's and once for Gluon's front end
-(their ``jit`` functions do not call each other).
-"""
+the last place); Triton's approximate ``tl.exp`` (``ex2`` of ``z log2(e)``) would lose
+``|z| 2^-24`` of relative accuracy in rounding its argument. Written twice, once for
+Triton's and once for Gluon's front end (their ``jit`` functions do not call each other)."""
 
 from __future__ import annotations
 
