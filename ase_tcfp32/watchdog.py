@@ -133,14 +133,9 @@ def watch(
     layer, direction: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor
 ) -> None:
     """Check ``y = x @ weight.T + bias`` of ``layer`` (a TCLinear) if this call is due."""
-    every = layer.check_accuracy
-    if not every or layer.precision == "tf32":
-        return
-    count = layer._calls.get(direction, 0)
-    layer._calls[direction] = count + 1
-    if (count % every and not getattr(_state, "all", False)) or x.shape[0] == 0 or layer._warned:
-        return
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+    count, checked = layer._calls.get(direction, 0), due(layer, direction)
+    count_call(layer, direction)
+    if not checked or x.shape[0] == 0:
         return
     rows = (torch.arange(ROWS, device=x.device) * x.shape[0]) // ROWS
     rows = torch.unique((rows + count) % x.shape[0])
@@ -155,8 +150,10 @@ def watch(
 
 
 def due(layer, direction: str) -> bool:
-    """Whether :func:`watch` would check the next call of ``layer`` in ``direction`` (a
-    fused kernel then steps aside for the plain GEMM that the check compares)."""
+    """Whether the next call of ``layer`` in ``direction`` is to be checked: every N-th call
+    (the first included), every call under :func:`check_all`; never in a CUDA-graph capture
+    or once the layer has warned. A fused kernel then steps aside for the plain GEMM that
+    :func:`watch` compares."""
     every = getattr(layer, "check_accuracy", 0)
     if not every or layer.precision == "tf32" or layer._warned:
         return False
@@ -165,9 +162,9 @@ def due(layer, direction: str) -> bool:
     return layer._calls.get(direction, 0) % every == 0 or getattr(_state, "all", False)
 
 
-def skipped(layer, direction: str) -> None:
-    """Count a call of ``layer`` in ``direction`` that ran fused, unchecked (:func:`due`)."""
-    if getattr(layer, "check_accuracy", 0):
+def count_call(layer, direction: str) -> None:
+    """Count a call of ``layer`` in ``direction``, checked (:func:`watch`) or run fused."""
+    if getattr(layer, "check_accuracy", 0) and layer.precision != "tf32":
         layer._calls[direction] = layer._calls.get(direction, 0) + 1
 
 

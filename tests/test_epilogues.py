@@ -47,13 +47,13 @@ def test_the_watchdog_sees_plain_gemms():
     """A call the watchdog is due to check runs unfused; fused calls are counted."""
     layer = TCLinear(4, 4, precision="tf32x3", check_accuracy=3)
     assert watchdog.due(layer, "forward")  # the first call is checked
-    watchdog.skipped(layer, "forward")
+    watchdog.count_call(layer, "forward")
     assert not watchdog.due(layer, "forward")
-    watchdog.skipped(layer, "forward")
-    watchdog.skipped(layer, "forward")
+    watchdog.count_call(layer, "forward")
+    watchdog.count_call(layer, "forward")
     assert watchdog.due(layer, "forward")  # the fourth
     with watchdog.check_all():
-        watchdog.skipped(layer, "forward")
+        watchdog.count_call(layer, "forward")
         assert watchdog.due(layer, "forward")
     assert not watchdog.due(TCLinear(4, 4, precision="tf32x3"), "forward")  # off
 
