@@ -122,6 +122,16 @@ def interleave(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(2, f, *weight.shape[1:]).transpose(0, 1).reshape(weight.shape).contiguous()
 
 
+def without_product(
+    m: int, n: int, device: torch.device, bias, residual: torch.Tensor | Embedding | None, activation: str | None
+) -> torch.Tensor:
+    """What a kernel gives for K = 0, where ``x @ w^T`` is zeros [m, n]: ``act(bias + residual)``."""
+    if isinstance(residual, Embedding):
+        residual = residual.tensor()
+    z = torch.zeros((m, n), device=device) + (0.0 if bias is None else bias)
+    return activate(z + (0.0 if residual is None else residual), activation)
+
+
 def activate(z: torch.Tensor, activation: str | None) -> torch.Tensor:
     """:func:`apply` in torch: the activation of ``z`` [M, N] (SwiGLU: [M, N // 2] from
     interleaved columns, value, gate, value...)."""

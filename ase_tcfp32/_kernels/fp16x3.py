@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from . import autotune
 from .context import on_device
-from .epilogue import ACTIVATIONS, Embedding, activate, gl_embedding, gl_silu, gl_swiglu
+from .epilogue import ACTIVATIONS, Embedding, gl_embedding, gl_silu, gl_swiglu, without_product
 from .gluon_common import descriptor, load_stage, ring, tile_offsets, tma_ready
 from .split import split_fp16x3
 from .triton_gemm import min_rows, sm_count
@@ -341,11 +341,10 @@ def launch(
     config = config or w.config
     m, k = x.shape
     _, n, kp = w.words.shape
+    if m == 0 or k == 0:
+        return without_product(m, n, x.device, bias, residual, activation)
     embed = isinstance(residual, Embedding)
     tensor = residual is not None and not embed
-    if m == 0 or k == 0:
-        z = torch.zeros((m, n), device=x.device, dtype=torch.float32) + (0.0 if bias is None else bias)
-        return activate(z + (0.0 if residual is None else residual.tensor() if embed else residual), activation)
     out = n // 2 if activation == "swiglu" else n
     y = torch.empty((m, triton.cdiv(out, 4) * 4), device=x.device, dtype=torch.float32)  # 16-byte rows for TMA
     bm, bn, bk = config["BM"], config["BN"], config["BK"]

@@ -31,7 +31,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import autotune
 from .context import on_device
-from .epilogue import ACTIVATIONS, Embedding, activate, apply, embedding
+from .epilogue import ACTIVATIONS, Embedding, apply, embedding, without_product
 from .split import round_tf32, split_bf16x3
 
 
@@ -265,12 +265,6 @@ def _tma_ready(x: torch.Tensor) -> bool:
     return x.stride(1) == 1 and (x.stride(0) * 4) % 16 == 0 and x.data_ptr() % 16 == 0
 
 
-def _constant(m: int, n: int, device: torch.device, bias, residual) -> torch.Tensor:
-    """``x @ w^T + bias + residual`` [m, n] for K = 0."""
-    z = torch.zeros((m, n), device=device)
-    return z + (0.0 if bias is None else bias) + (0.0 if residual is None else residual)
-
-
 def launch(
     x: torch.Tensor,
     gemm: Gemm,
@@ -293,7 +287,7 @@ def launch(
     embed = isinstance(residual, Embedding)
     tensor = residual is not None and not embed
     if k == 0:
-        return y.copy_(activate(_constant(m, n, x.device, bias, residual.tensor() if embed else residual), activation))
+        return y.copy_(without_product(m, n, x.device, bias, residual, activation))
     config = gemm.config
     tma = gemm.descriptor is not None and _tma_ready(x)
     x_desc = None
