@@ -390,9 +390,8 @@ class Fp16x3Backend:
         return Prepared(weight, split_weight(weight, tune=True), split_weight(weight.T.contiguous(), tune=True))
 
     def forward(self, x: torch.Tensor, prepared: Prepared, bias: torch.Tensor | None) -> torch.Tensor:
-        if prepared.forward is None or x.shape[0] < prepared.forward.min_rows:
-            return torch.nn.functional.linear(x, prepared.weight, bias)
-        return launch(x, prepared.forward, None if bias is None else bias.detach().contiguous())
+        y = self.fused(x, prepared, bias)
+        return torch.nn.functional.linear(x, prepared.weight, bias) if y is None else y
 
     def fused(
         self,
