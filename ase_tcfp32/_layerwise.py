@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from . import _progress as progress
+from ._epilogues import combination
 from ._heads import readout
 from ._kernels.attention import Sequences
 from ._packed import Packed, _gnn_layer, _inner
@@ -129,7 +130,7 @@ def _combination(o: torch.Tensor, o_reverse: torch.Tensor, norm, mlp) -> torch.T
     """What metatrain's message combination adds to a layer's input messages: the output
     messages ``o`` [rows, d] and the combination of each with its reverse row's
     ``o_reverse`` [rows, d]."""
-    return o + mlp(norm(torch.cat([o, o_reverse], dim=-1)))
+    return combination(mlp, norm(torch.cat([o, o_reverse], dim=-1)), residual=o)
 
 
 def _combined(edges, out, rows: slice, reverse, norm, mlp) -> torch.Tensor:
