@@ -58,18 +58,12 @@ def time_steps(
     warmup: int = 3,
     table: bool = False,
     kind: str = "conservative",
-    fused: bool = True,
 ) -> dict:
     """Median and minimum ms per MD step and peak GPU memory (GB) of one configuration;
     the first call's time (compilation and graph recording included) separately; for the
     lean engines the neighbor table's final width, its widenings, the pair-list builds and
     whether PET ran on packed rows (``table``: on the neighbor table, even where the
-    calculator packs them). ``fused=False``: the whole run with the GEMM epilogues unfused."""
-    with contextlib.nullcontext() if fused else _epilogues.unfused():
-        return _time_steps(model, precision, atoms, steps, compile, engine, low_memory, skin, warmup, table, kind)
-
-
-def _time_steps(model, precision, atoms, steps, compile, engine, low_memory, skin, warmup, table, kind) -> dict:
+    calculator packs them)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         calc = TCPETCalculator(
@@ -218,21 +212,21 @@ def main() -> None:
                             **({} if fused else {"epilogues": "unfused"}),
                         }
                         try:
-                            row.update(
-                                time_steps(
-                                    model,
-                                    precision,
-                                    atoms,
-                                    args.steps,
-                                    compiled,
-                                    engine,
-                                    args.low_memory,
-                                    args.skin,
-                                    table=table,
-                                    kind=kind,
-                                    fused=fused,
+                            with contextlib.nullcontext() if fused else _epilogues.unfused():  # the whole run
+                                row.update(
+                                    time_steps(
+                                        model,
+                                        precision,
+                                        atoms,
+                                        args.steps,
+                                        compiled,
+                                        engine,
+                                        args.low_memory,
+                                        args.skin,
+                                        table=table,
+                                        kind=kind,
+                                    )
                                 )
-                            )
                         except torch.OutOfMemoryError:
                             row["error"] = "out of memory"
                         except Exception as error:  # a configuration that fails must not stop the others
