@@ -392,7 +392,8 @@ class TCPETCalculator(Calculator):
         """What the engine computes for the calculator's ``properties``: energies always;
         ``forces`` and ``stress`` from the direct heads where ``non_conservative`` says so,
         else from one backward pass, which gives a periodic system's stress with its forces
-        for free (as metatomic-ase does)."""
+        for free (as metatomic-ase does); a periodic system's direct forces and stress come
+        together too (two small heads on the same pass)."""
         wanted = {"energy", *(set(properties) & {"energies", "energy_features", "energy_uncertainty", *DIRECT})}
         if "forces_ensemble" in properties or "stress_ensemble" in properties:  # conservative: autograd
             wanted |= {"energy_ensemble", "forces", *(("stress",) if "stress_ensemble" in properties else ())}
@@ -402,6 +403,9 @@ class TCPETCalculator(Calculator):
             wanted.add("non_conservative_stress" if self._direct_stress else "stress")
         if "forces" in wanted and periodic and not self._direct_stress:
             wanted.add("stress")
+        direct = {"non_conservative_forces", "non_conservative_stress"}
+        if self._direct_forces and self._direct_stress and periodic and direct & wanted:
+            wanted |= direct  # both heads read the same features: one pass for ASE's forces then stress
         if "stress" in wanted:
             wanted.add("forces")
         return wanted

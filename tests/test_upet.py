@@ -92,6 +92,20 @@ def test_direct_forces_and_stress_are_metatrains(pet, water, engine):
     assert not close(forces, conservative, 0.1)  # random heads: the two kinds of forces differ
 
 
+def test_direct_forces_bring_the_direct_stress_of_a_periodic_system(pet, water):
+    """ASE's ``get_forces`` then ``get_stress`` (NPT, relaxations with a cell filter) is one
+    forward pass with the direct heads, as it is one forward and backward pass without."""
+    atoms = water.copy()
+    atoms.calc = calculator(pet, non_conservative=True)
+    atoms.get_forces()
+    assert "stress" in atoms.calc.results and not atoms.calc.check_state(atoms)
+    molecule = water[:3].copy()
+    molecule.pbc = False
+    molecule.calc = atoms.calc
+    molecule.get_forces()
+    assert "stress" not in molecule.calc.results
+
+
 @pytest.mark.parametrize("setting", ["forces", "stress"])
 def test_one_direct_quantity_leaves_the_other_conservative(pet, water, setting):
     atoms = water.copy()
