@@ -11,6 +11,11 @@ runs them in the layer's own kernel where it can:
 
 - a residual, in every evaluation: its gradient is the output's, so backward is the
   layer's input gradient and nothing else (:class:`_Residual`);
+- an activation between two layers, with gradients (:func:`pair`): the first layer's
+  kernel writes ``h`` and keeps its pre-activation ``z`` for the backward pass, whose
+  input-gradient product through the second layer applies the activation's derivative
+  at ``z`` in its epilogue (:class:`_Pair`): ``dh`` is never written and no separate
+  activation pass runs either way;
 - an activation, the folded embeddings and an RMS norm before the layer, where no
   gradient is asked for (energy-only calls, direct forces, the inner steps of multiple
   time stepping): the layer then writes ``h`` only, not the pre-activation that a
@@ -39,7 +44,7 @@ from . import watchdog
 from ._backends import get_backend
 from ._fused import swiglu
 from ._kernels.context import INTERPRETED
-from ._kernels.epilogue import Embedding
+from ._kernels.epilogue import Embedding, activation_grad
 from .layers import TCLinear, _grad_input
 
 _DERIVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -173,16 +178,96 @@ def linear(
     return y.reshape(*shape, y.shape[-1])
 
 
+class _Pair(torch.autograd.Function):
+    """``second(act(first(x) + inner)) + residual`` (``inner``, ``residual`` tensors or None)
+    in two kernels each way; the pre-activation ``z`` is what the backward pass keeps.
+    Where a kernel declines (too few rows), that step runs unfused, with the same result."""
+
+    @staticmethod
+    def forward(ctx, x, inner, residual, first, second, backend, activation):
+        device = x.device
+        if activation == "swiglu":
+            prepared, bias = _derived(first, backend, device, None, True)
+        else:
+            prepared, bias = first.prepared_weight(device), first.bias
+        out = backend.fused(x, prepared, bias, inner, activation, keep=True)
+        if out is None:
+            z = first(x) if inner is None else first(x) + inner
+            h = torch.nn.functional.silu(z) if activation == "silu" else swiglu(z)
+        else:
+            (h, z), _ = out, watchdog.count_call(first, "forward")
+        y = None if residual is None else backend.fused(h, second.prepared_weight(device), second.bias, residual)
+        if y is None:
+            y = second(h) if residual is None else second(h) + residual
+        else:
+            watchdog.count_call(second, "forward")
+        ctx.save_for_backward(z)
+        ctx.layers, ctx.backend, ctx.activation = (first, second), backend, activation
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y):
+        (z,) = ctx.saved_tensors
+        (first, second), backend, activation = ctx.layers, ctx.backend, ctx.activation
+        grad_y = grad_y.contiguous()
+        prepared = second.prepared_weight(grad_y.device)
+        grad_z = None
+        if not watchdog.due(second, "input gradient"):
+            grad_z = backend.fused_grad(grad_y, prepared, activation, z)
+        if grad_z is None:
+            grad_h = _grad_input(backend, prepared, second, grad_y, second.weight)
+            grad_z = activation_grad(grad_h, z, activation)
+        else:
+            watchdog.count_call(second, "input gradient")
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _grad_input(backend, first.prepared_weight(grad_y.device), first, grad_z, first.weight)
+        needs = ctx.needs_input_grad
+        return grad_x, grad_z if needs[1] else None, grad_y if needs[2] else None, None, None, None, None
+
+
+def pair(
+    first: torch.nn.Module,
+    second: torch.nn.Module,
+    x: torch.Tensor,
+    activation: str,
+    inner: torch.Tensor | Embedding | None = None,
+    residual: torch.Tensor | None = None,
+    norm: torch.nn.Module | None = None,
+) -> torch.Tensor:
+    """``second(act(first(norm(x)) + inner)) + residual``: two Linear layers with an
+    ``activation`` (``"silu"`` or ``"swiglu"``) between them, through :func:`linear`, or,
+    with gradients, :class:`_Pair` (the activation fused into both layers' kernels, forward
+    and backward)."""
+    backend = _kernel_backend(first, x)
+    tensors = [t for t in (x, inner, residual) if isinstance(t, torch.Tensor)]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if isinstance(inner, Embedding) and (grad or backend is None):
+        inner = inner.tensor().reshape(*x.shape[:-1], -1)
+    if (
+        not grad
+        or backend is None
+        or _kernel_backend(second, x) is not backend
+        or any(watchdog.due(layer, "forward") for layer in (first, second))
+    ):
+        return linear(second, linear(first, x, inner, activation, norm), residual)
+    if norm is not None:
+        x = norm(x)
+    shape = x.shape[:-1]
+    flat = [None if t is None else t.reshape(-1, t.shape[-1]).contiguous() for t in (x, inner, residual)]
+    y = _Pair.apply(*flat, first, second, backend, activation)
+    return y.reshape(*shape, y.shape[-1])
+
+
 def feed_forward(
     mlp: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None, norm: torch.nn.Module | None = None
 ) -> torch.Tensor:
     """``residual + mlp(norm(x))`` for metatrain's ``FeedForward`` ``mlp`` (SwiGLU or not),
-    through :func:`linear`."""
+    through :func:`pair` or :func:`linear`."""
     if mlp.is_swiglu:
-        hidden = linear(mlp.w_in, x, activation="swiglu", norm=norm)
-    else:
-        hidden = mlp.activation(linear(mlp.w_in, x, norm=norm))
-    return linear(mlp.w_out, hidden, residual)
+        return pair(mlp.w_in, mlp.w_out, x, "swiglu", residual=residual, norm=norm)
+    return linear(mlp.w_out, mlp.activation(linear(mlp.w_in, x, norm=norm)), residual)
 
 
 def _is(layers: torch.nn.Module, *kinds: type) -> bool:
@@ -196,10 +281,10 @@ def _is(layers: torch.nn.Module, *kinds: type) -> bool:
 
 def combination(mlp: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """``residual + mlp(x)`` for PET's message-combination MLP ``mlp`` (Linear, SiLU,
-    Linear), through :func:`linear`."""
+    Linear), through :func:`pair`."""
     if not _is(mlp, torch.nn.Linear, torch.nn.SiLU, torch.nn.Linear):
         return residual + mlp(x)
-    return linear(mlp[2], linear(mlp[0], x, activation="silu"), residual)
+    return pair(mlp[0], mlp[2], x, "silu", residual=residual)
 
 
 def head(layers: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

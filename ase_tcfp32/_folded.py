@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ._epilogues import linear
+from ._epilogues import pair
 from ._kernels.epilogue import Embedding
 from ._swapping import lazy_subclass, swap_class
 from .layers import TCLinear
@@ -102,8 +102,7 @@ def compress(
     geometry = torch.cat([vectors, distances[..., None]], dim=-1).to(vectors.dtype).reshape(-1, 4)
     index = torch.zeros_like(species) if self.is_first else species  # the first layer's table: one row
     known = Embedding(fold.species, index.reshape(-1), geometry, fold.geometry)
-    hidden = linear(fold.messages, messages, residual=known, activation="silu")  # compress[1] is SiLU
-    return linear(self.compress[2], hidden)
+    return pair(fold.messages, self.compress[2], messages, "silu", inner=known)  # compress[1] is SiLU
 
 
 def _forward(
