@@ -12,10 +12,8 @@ runs them in the layer's own kernel where it can:
 - a residual, in every evaluation: its gradient is the output's, so backward is the
   layer's input gradient and nothing else (:class:`_Residual`);
 - an activation between two layers, with gradients (:func:`pair`): the first layer's
-  kernel writes ``h`` and keeps its pre-activation ``z`` for the backward pass, whose
-  input-gradient product through the second layer applies the activation's derivative
-  at ``z`` in its epilogue (:class:`_Pair`): ``dh`` is never written and no separate
-  activation pass runs either way;
+  kernel writes ``h`` and keeps its pre-activation ``z`` for the backward pass (stored by
+  TMA like ``h``), so the activation's forward pass over ``z`` does not run (:class:`_Pair`);
 - an activation, the folded embeddings and an RMS norm before the layer, where no
   gradient is asked for (energy-only calls, direct forces, the inner steps of multiple
   time stepping): the layer then writes ``h`` only, not the pre-activation that a
@@ -179,8 +177,10 @@ def linear(
 
 
 class _Pair(torch.autograd.Function):
-    """``second(act(first(x) + inner)) + residual`` (``inner``, ``residual`` tensors or None)
-    in two kernels each way; the pre-activation ``z`` is what the backward pass keeps.
+    """``second(act(first(x) + inner)) + residual`` (``inner``, ``residual`` tensors or None):
+    forward, the first layer's kernel writes ``h`` and keeps the pre-activation ``z`` (the
+    activation's own pass is not run), the second adds the residual; backward, the second
+    layer's input gradient, the activation's (one pass over ``z``) and the first layer's.
     Where a kernel declines (too few rows), that step runs unfused, with the same result."""
 
     @staticmethod
@@ -209,17 +209,10 @@ class _Pair(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_y):
         (z,) = ctx.saved_tensors
-        (first, second), backend, activation = ctx.layers, ctx.backend, ctx.activation
+        (first, second), backend = ctx.layers, ctx.backend
         grad_y = grad_y.contiguous()
-        prepared = second.prepared_weight(grad_y.device)
-        grad_z = None
-        if not watchdog.due(second, "input gradient"):
-            grad_z = backend.fused_grad(grad_y, prepared, activation, z)
-        if grad_z is None:
-            grad_h = _grad_input(backend, prepared, second, grad_y, second.weight)
-            grad_z = activation_grad(grad_h, z, activation)
-        else:
-            watchdog.count_call(second, "input gradient")
+        grad_h = _grad_input(backend, second.prepared_weight(grad_y.device), second, grad_y, second.weight)
+        grad_z = activation_grad(grad_h, z, ctx.activation)
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = _grad_input(backend, first.prepared_weight(grad_y.device), first, grad_z, first.weight)
@@ -238,8 +231,8 @@ def pair(
 ) -> torch.Tensor:
     """``second(act(first(norm(x)) + inner)) + residual``: two Linear layers with an
     ``activation`` (``"silu"`` or ``"swiglu"``) between them, through :func:`linear`, or,
-    with gradients, :class:`_Pair` (the activation fused into both layers' kernels, forward
-    and backward)."""
+    with gradients, :class:`_Pair` (the activation in the first layer's kernel, which also
+    keeps the pre-activation for the backward pass)."""
     backend = _kernel_backend(first, x)
     tensors = [t for t in (x, inner, residual) if isinstance(t, torch.Tensor)]
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)

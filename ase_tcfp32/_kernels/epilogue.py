@@ -11,12 +11,9 @@ tensor the kernel reads, or an :class:`Embedding` it computes (:func:`embedding`
 kernels can also divide each row of the product by its input row's RMS (an RMS norm
 before the layer, its weight multiplied into ``w``: ``rms_eps`` of their launchers).
 
-For a backward pass the kernels also write the pre-activation ``z`` a forward tile held
-(``KEEP``: SwiGLU's interleaved pairs go back to metatrain's ``[v | g]`` columns), and the
-input-gradient product of the layer after an activation applies that activation's
-derivative to its tile (``GRAD``): ``dz = dh * silu'(z)``, or SwiGLU's ``dv = dh s`` and
-``dg = (dh v) (1 - s) s`` (``s = sigmoid(g)``) written to ``[dv | dg]`` [M, 2F], as
-torch's and our SwiGLU kernel's backward compute them; ``dh`` itself is never written.
+For a backward pass the kernels can also write the pre-activation ``z`` that a forward tile
+held (``KEEP``; SwiGLU's interleaved pairs go back to metatrain's ``[v | g]`` columns),
+besides ``h``: the activation's own pass over ``z`` is then not needed.
 
 SiLU is ``z / (1 + exp(-z))`` and SwiGLU ``v * (1 / (1 + exp(-g)))``, as torch and our
 SwiGLU kernel compute them, with libdevice's ``exp`` (CUDA's ``expf``: at most 2 units in
@@ -41,7 +38,7 @@ from .context import INTERPRETED
 _INTERPRETED = tl.constexpr(INTERPRETED)
 
 ACTIVATIONS = {None: 0, "silu": 1, "swiglu": 2}
-"""Activation names and the kernels' ``ACTIVATION`` (and ``GRAD``) codes."""
+"""Activation names and the kernels' ``ACTIVATION`` codes."""
 
 
 class Embedding(NamedTuple):
@@ -96,20 +93,6 @@ def apply(acc, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def silu_grad(dh, z):
-    """``dh * silu'(z)`` as torch's ``silu_backward``: ``dh s (1 + z (1 - s))``, ``s = sigmoid(z)``."""
-    s = 1.0 / (1.0 + _exp(-z))
-    return dh * (s * (1.0 + z * (1.0 - s)))
-
-
-@triton.jit
-def swiglu_grad(dh, v, g):
-    """SwiGLU's ``(dv, dg)`` for ``dh`` and the pre-activation's value ``v`` and gate ``g``."""
-    s = 1.0 / (1.0 + _exp(-g))
-    return dh * s, (dh * v) * (1.0 - s) * s
-
-
-@triton.jit
 def keep(acc, rows, col0, M, N, saved_ptr, stride_s, ACTIVATION: tl.constexpr):
     """Write an output tile's pre-activation ``acc`` [BM, BN] (columns from ``col0``) to
     ``saved`` [M, N]; SwiGLU's interleaved pairs as ``[v | g]`` (value j at column j,
@@ -137,20 +120,6 @@ def gl_silu(z):
 def gl_swiglu(value, gate):
     """SwiGLU as :func:`apply` computes it, in Gluon."""
     return value * (1.0 / (1.0 + gl_libdevice.exp(-gate)))
-
-
-@gluon.jit
-def gl_silu_grad(dh, z):
-    """:func:`silu_grad` in Gluon."""
-    s = 1.0 / (1.0 + gl_libdevice.exp(-z))
-    return dh * (s * (1.0 + z * (1.0 - s)))
-
-
-@gluon.jit
-def gl_swiglu_grad(dh, v, g):
-    """:func:`swiglu_grad` in Gluon."""
-    s = 1.0 / (1.0 + gl_libdevice.exp(-g))
-    return dh * s, (dh * v) * (1.0 - s) * s
 
 
 @gluon.jit
@@ -183,26 +152,26 @@ def without_product(
     residual: torch.Tensor | Embedding | None,
     activation: str | None,
     keep: bool = False,
-    gradient: str | None = None,
-    saved: torch.Tensor | None = None,
 ):
     """What a kernel gives for K = 0, where ``x @ w^T`` is zeros [m, n]: ``act(bias +
-    residual)``, with ``keep`` also the pre-activation (a pair); with ``gradient`` the
-    activation's derivative applied to the zeros (see the kernels' launchers)."""
+    residual)``, with ``keep`` also the pre-activation (a pair ``(y, z)``)."""
     if isinstance(residual, Embedding):
         residual = residual.tensor()
     z = torch.zeros((m, n), device=device) + (0.0 if bias is None else bias)
     z = z + (0.0 if residual is None else residual)
-    if gradient is not None:
-        return activation_grad(z, saved, gradient)
     return (activate(z, activation), z) if keep else activate(z, activation)
 
 
 def activation_grad(grad_h: torch.Tensor, z: torch.Tensor, activation: str) -> torch.Tensor:
-    """What a ``GRAD`` epilogue gives, in torch: the gradient by the pre-activation ``z``
-    [M, N] (SwiGLU: ``[v | g]`` [M, 2F], ``grad_h`` [M, F]) of the activation."""
+    """The gradient by the pre-activation ``z`` [M, N] (SwiGLU: ``[v | g]`` [M, 2F], ``grad_h``
+    [M, F]) of the ``activation``, given the output's ``grad_h``: torch's ``silu_backward``,
+    and for SwiGLU :mod:`.swiglu`'s one-pass kernel on the GPU (torch's steps elsewhere)."""
     if activation == "silu":
         return torch.ops.aten.silu_backward(grad_h, z)
+    if z.is_cuda and z.dtype == torch.float32:
+        from . import swiglu
+
+        return swiglu.backward(grad_h, z.contiguous())
     v, g = z.chunk(2, dim=-1)
     s = torch.sigmoid(g)
     return torch.cat([grad_h * s, (grad_h * v) * (1.0 - s) * s], dim=-1)

@@ -42,9 +42,7 @@ from .epilogue import (
     Embedding,
     gl_embedding,
     gl_silu,
-    gl_silu_grad,
     gl_swiglu,
-    gl_swiglu_grad,
     without_product,
 )
 from .gluon_common import descriptor, load_stage, ring, tile_offsets, tma_ready
@@ -93,28 +91,6 @@ def _issue(hi, lo, hi_c, hi_s, lo_s, dead):
 
 
 @gluon.jit
-def _keep(acc, rows, cols, off_m, off_n, M, N, saved_ptr, stride_s, ACTIVATION: gl.constexpr, num_warps: gl.constexpr):
-    """Write an output tile's pre-activation ``acc`` [BM, BN] to ``saved`` [M, N] (``rows``,
-    ``cols``: its indices in the slices of ``acc``'s layout); SwiGLU's interleaved pairs as
-    ``[v | g]`` (value j at column j, gate j at N / 2 + j), through a blocked layout."""
-    BM: gl.constexpr = acc.shape[0]
-    BN: gl.constexpr = acc.shape[1]
-    if ACTIVATION == 2:
-        layout: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [num_warps, 1], [1, 0])
-        value, gate = gl.split(gl.reshape(acc, [BM, BN // 2, 2]))
-        value, gate = gl.convert_layout(value, layout), gl.convert_layout(gate, layout)
-        half_rows = (off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))).to(gl.int64)
-        half_cols = off_n // 2 + gl.arange(0, BN // 2, layout=gl.SliceLayout(0, layout))
-        at = gl.expand_dims(half_rows * stride_s, 1) + gl.expand_dims(half_cols, 0)
-        inside = gl.expand_dims(half_rows < M, 1) & gl.expand_dims(half_cols < N // 2, 0)
-        gl.store(saved_ptr + at, value, mask=inside)
-        gl.store(saved_ptr + at + N // 2, gate, mask=inside)
-    else:
-        at = gl.expand_dims(rows * stride_s, 1) + gl.expand_dims(cols, 0)
-        gl.store(saved_ptr + at, acc, mask=gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0))
-
-
-@gluon.jit
 def _loader(x_desc, hi_desc, lo_desc, xs, his, los, ready, empty, M, N, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     """Producer warp: the K-tiles of this program's output tiles, one after another
     through the ring (the next tile's loads overlap the consumers' epilogue)."""
@@ -139,6 +115,9 @@ def _fp16x3_consumer(
     empty,
     ys,
     y_desc,
+    zs,
+    z_desc,
+    g_desc,
     scale_ptr,
     bias_ptr,
     residual_ptr,
@@ -147,10 +126,6 @@ def _fp16x3_consumer(
     index_ptr,
     geometry_ptr,
     matrix_ptr,
-    saved_ptr,
-    stride_s,
-    out_ptr,
-    stride_o,
     inv_k,
     eps,
     M,
@@ -162,7 +137,6 @@ def _fp16x3_consumer(
     ACTIVATION: gl.constexpr,
     RMS: gl.constexpr,
     KEEP: gl.constexpr,
-    GRAD: gl.constexpr,
     GROUP_M: gl.constexpr,
     STAGES: gl.constexpr,
     num_warps: gl.constexpr,
@@ -211,7 +185,6 @@ def _fp16x3_consumer(
         acc = acc + prev * gl.expand_dims(down, 1)
         cols = off_n + gl.arange(0, BN, layout=cols_layout)
         rows = (off_m + gl.arange(0, BM, layout=rows_layout)).to(gl.int64)
-        inside = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
         acc = acc * gl.expand_dims(gl.load(scale_ptr + cols, mask=cols < N, other=0.0), 0)
         if RMS:  # the input rows' RMS norm: x / sqrt(mean(x^2) + eps) (its weight is in w)
             acc = acc * gl.expand_dims(gl.rsqrt(gl.convert_layout(squares, rows_layout) * inv_k + eps), 1)
@@ -219,36 +192,28 @@ def _fp16x3_consumer(
             acc = acc + gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0), 0)
         if HAS_RESIDUAL:
             at = gl.expand_dims(rows * stride_r, 1) + gl.expand_dims(cols, 0)
+            inside = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
             acc = acc + gl.load(residual_ptr + at, mask=inside, other=0.0)
         if EMBED:
             acc = gl_embedding(acc, rows, cols, M, N, table_ptr, index_ptr, geometry_ptr, matrix_ptr)
-        if KEEP:  # the pre-activation, for a backward pass
-            _keep(acc, rows, cols, off_m, off_n, M, N, saved_ptr, stride_s, ACTIVATION, num_warps)
-        if GRAD != 0:
-            at = gl.expand_dims(rows * stride_s, 1) + gl.expand_dims(cols, 0)
-        if GRAD == 1:
-            acc = gl_silu_grad(acc, gl.load(saved_ptr + at, mask=inside, other=0.0))
-        if GRAD == 2:  # [dv | dg] [M, 2N] from the saved [v | g]; the tile of dh is not written
-            dv, dg = gl_swiglu_grad(
-                acc,
-                gl.load(saved_ptr + at, mask=inside, other=0.0),
-                gl.load(saved_ptr + at + N, mask=inside, other=0.0),
-            )
-            out = gl.expand_dims(rows * stride_o, 1) + gl.expand_dims(cols, 0)
-            gl.store(out_ptr + out, dv, mask=inside)
-            gl.store(out_ptr + out + N, dg, mask=inside)
+        tma.store_wait(pendings=0)  # the previous tile has left ys, zs (TMA clips rows, columns past M, N)
+        gl.thread_barrier()
+        if ACTIVATION == 2:  # interleaved value, gate columns: half as many of h
+            value, gate = gl.split(gl.reshape(acc, [BM, BN // 2, 2]))
+            ys.store(gl_swiglu(value, gate))
+            if KEEP:  # the pre-activation for a backward pass, as [v | g]
+                zs.index(0).store(value)
+                zs.index(1).store(gate)
         else:
-            tma.store_wait(pendings=0)  # the previous tile has left ys (TMA clips rows, columns past M, N)
-            gl.thread_barrier()
-            if ACTIVATION == 1:
-                ys.store(gl_silu(acc))
-            elif ACTIVATION == 2:  # interleaved value, gate columns: half as many of h
-                value, gate = gl.split(gl.reshape(acc, [BM, BN // 2, 2]))
-                ys.store(gl_swiglu(value, gate))
-            else:
-                ys.store(acc)
-            fence_async_shared()
-            tma.async_copy_shared_to_global(y_desc, [off_m, off_n // 2 if ACTIVATION == 2 else off_n], ys)
+            if KEEP:
+                zs.index(0).store(acc)
+            ys.store(gl_silu(acc) if ACTIVATION == 1 else acc)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(y_desc, [off_m, off_n // 2 if ACTIVATION == 2 else off_n], ys)
+        if KEEP:
+            tma.async_copy_shared_to_global(z_desc, [off_m, off_n // 2 if ACTIVATION == 2 else off_n], zs.index(0))
+            if ACTIVATION == 2:
+                tma.async_copy_shared_to_global(g_desc, [off_m, off_n // 2], zs.index(1))
     tma.store_wait(pendings=0)
 
 
@@ -258,6 +223,8 @@ def _fp16x3_kernel(
     hi_desc,
     lo_desc,
     y_desc,
+    z_desc,
+    g_desc,
     scale_ptr,
     bias_ptr,
     residual_ptr,
@@ -266,10 +233,6 @@ def _fp16x3_kernel(
     index_ptr,
     geometry_ptr,
     matrix_ptr,
-    saved_ptr,
-    stride_s,
-    out_ptr,
-    stride_o,
     inv_k,
     eps,
     M,
@@ -280,7 +243,6 @@ def _fp16x3_kernel(
     ACTIVATION: gl.constexpr,
     RMS: gl.constexpr,
     KEEP: gl.constexpr,
-    GRAD: gl.constexpr,
     STAGES: gl.constexpr,
     GROUP_M: gl.constexpr,
     num_warps: gl.constexpr,
@@ -290,6 +252,9 @@ def _fp16x3_kernel(
     ``STAGES``-deep TMA ring, two consumer warpgroups compute, and TMA stores the tiles."""
     xs, his, los, ready, empty = ring(x_desc, hi_desc, lo_desc, STAGES)
     ys = gl.allocate_shared_memory(gl.float32, y_desc.block_type.shape, y_desc.layout)
+    ZM: gl.constexpr = z_desc.block_type.shape[0]
+    ZN: gl.constexpr = z_desc.block_type.shape[1]
+    zs = gl.allocate_shared_memory(gl.float32, [2 if ACTIVATION == 2 else 1, ZM, ZN], z_desc.layout)
     num_k = gl.cdiv(x_desc.shape[1], x_desc.block_type.shape[1])
     gl.warp_specialize(
         [
@@ -303,6 +268,9 @@ def _fp16x3_kernel(
                     empty,
                     ys,
                     y_desc,
+                    zs,
+                    z_desc,
+                    g_desc,
                     scale_ptr,
                     bias_ptr,
                     residual_ptr,
@@ -311,10 +279,6 @@ def _fp16x3_kernel(
                     index_ptr,
                     geometry_ptr,
                     matrix_ptr,
-                    saved_ptr,
-                    stride_s,
-                    out_ptr,
-                    stride_o,
                     inv_k,
                     eps,
                     M,
@@ -326,7 +290,6 @@ def _fp16x3_kernel(
                     ACTIVATION,
                     RMS,
                     KEEP,
-                    GRAD,
                     GROUP_M,
                     STAGES,
                     num_warps,
@@ -396,50 +359,49 @@ def launch(
     activation: str | None = None,
     rms_eps: float | None = None,
     keep: bool = False,
-    gradient: str | None = None,
-    saved: torch.Tensor | None = None,
 ):
     """``act(x [M, K] @ w^T + bias + residual)`` as [M, N] (:mod:`.epilogue`: the residual a
     tensor or an :class:`~.epilogue.Embedding` computed in the kernel; SwiGLU:
     [M, N // 2] from words of interleaved rows), on the GPU whatever M is (with ``config``,
     default the one ``w`` was tuned for); with ``rms_eps`` each row of the product divided
     by ``sqrt(mean(x^2) + rms_eps)`` over its row of x (an RMS norm before a layer, its
-    weight multiplied into ``w``). With ``keep``, also the pre-activation [M, N] (SwiGLU: as
-    ``[v | g]``): returns ``(y, z)``. With ``gradient`` (an activation) and ``saved`` (its
-    pre-activation, [M, N] or for SwiGLU [M, 2N]): the product times the activation's
-    derivative, ``dz`` [M, N] or ``[dv | dg]`` [M, 2N] (no bias, residual or activation)."""
+    weight multiplied into ``w``). With ``keep`` (N a multiple of 8), also the
+    pre-activation [M, N] (SwiGLU: as ``[v | g]``), stored by TMA like ``y`` (in a pipeline
+    of at most :data:`KEEP_STAGES` stages, for the shared memory): returns ``(y, z)``."""
     config = config or w.config
     m, k = x.shape
     _, n, kp = w.words.shape
-    if gradient is not None:
-        if bias is not None or residual is not None or activation is not None or rms_eps is not None or keep:
-            raise ValueError("a gradient epilogue takes no bias, residual, activation, norm or keep")
-        saved = saved.contiguous()
     if m == 0 or k == 0:
-        return without_product(m, n, x.device, bias, residual, activation, keep, gradient, saved)
+        return without_product(m, n, x.device, bias, residual, activation, keep)
+    if keep and n % 8:
+        raise ValueError(f"keep needs a multiple of 8 columns (16-byte rows of each half), not {n}")
     embed = isinstance(residual, Embedding)
     tensor = residual is not None and not embed
-    out = 2 * n if gradient == "swiglu" else n // 2 if activation == "swiglu" else n
+    out = n // 2 if activation == "swiglu" else n
     y = torch.empty((m, triton.cdiv(out, 4) * 4), device=x.device, dtype=torch.float32)  # 16-byte rows for TMA
-    z = torch.empty((m, n), device=x.device, dtype=torch.float32) if keep else None
-    extra = z if keep else saved
     bm, bn, bk = config["BM"], config["BN"], config["BK"]
+    tile = [bm, bn // 2 if activation == "swiglu" else bn]
+    if keep:
+        z = torch.empty((m, n), device=x.device, dtype=torch.float32)
+        halves = z.chunk(2, dim=1) if activation == "swiglu" else (z, z)
+        z_desc, g_desc = (descriptor(half, tile) for half in halves)
+    else:
+        z, z_desc = None, descriptor(torch.empty((8, 4), device=x.device), [8, 4])  # unused, small
+        g_desc = z_desc
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     with on_device(x.device):
         _fp16x3_kernel[(min(tiles, sm_count(x.device)),)](
             descriptor(tma_ready(x, kp), [bm, bk]),
             descriptor(w.words[0], [bn, bk]),
             descriptor(w.words[1], [bn, bk]),
-            descriptor(y, [bm, bn // 2 if activation == "swiglu" else bn]),
+            descriptor(y, tile),
+            z_desc,
+            g_desc,
             w.scale,
             bias if bias is not None else y,
             residual if tensor else y,
             residual.stride(0) if tensor else 0,
             *(residual if embed else (y, y, y, y)),
-            y if extra is None else extra,
-            0 if extra is None else extra.stride(0),
-            y,
-            y.stride(0),
             1.0 / k,
             0.0 if rms_eps is None else rms_eps,
             m,
@@ -450,13 +412,17 @@ def launch(
             ACTIVATION=ACTIVATIONS[activation],
             RMS=rms_eps is not None,
             KEEP=keep,
-            GRAD=ACTIVATIONS[gradient],
-            STAGES=config["STAGES"],
+            STAGES=min(config["STAGES"], KEEP_STAGES) if keep else config["STAGES"],
             GROUP_M=config["GROUP_M"],
             num_warps=config["num_warps"],
         )
     y = y if y.shape[1] == out else y[:, :out].contiguous()
     return (y, z) if keep else y
+
+
+KEEP_STAGES = 3
+"""Pipeline stages with ``keep``: 3 x 32 KiB of operands, 64 KiB for ``y``'s tile and 64 KiB
+for the pre-activation's fit the H200's 227 KiB of shared memory per block."""
 
 
 class Fp16x3Backend:
@@ -492,17 +458,9 @@ class Fp16x3Backend:
         if prepared.forward is None or x.shape[0] < prepared.forward.min_rows:
             return None
         bias = None if bias is None else bias.detach().contiguous()
-        return launch(x, prepared.forward, bias, residual=residual, activation=activation, rms_eps=rms_eps, keep=keep)
-
-    def fused_grad(
-        self, grad_y: torch.Tensor, prepared: Prepared, activation: str, saved: torch.Tensor
-    ) -> torch.Tensor | None:
-        """The input gradient ``grad_y @ weight`` times the derivative of the ``activation``
-        before the layer, at its pre-activation ``saved`` (:func:`launch`'s ``gradient``), in
-        one kernel; None where :meth:`grad_input` would not run the kernel."""
-        if prepared.backward is None or grad_y.shape[0] < prepared.backward.min_rows:
+        if keep and prepared.forward.words.shape[1] % 8:
             return None
-        return launch(grad_y, prepared.backward, gradient=activation, saved=saved)
+        return launch(x, prepared.forward, bias, residual=residual, activation=activation, rms_eps=rms_eps, keep=keep)
 
     def grad_input(self, grad_y: torch.Tensor, prepared: Prepared) -> torch.Tensor:
         if prepared.backward is None or grad_y.shape[0] < prepared.backward.min_rows:

@@ -37,8 +37,6 @@ from .epilogue import (
     apply,
     embedding,
     keep,
-    silu_grad,
-    swiglu_grad,
     without_product,
 )
 from .split import round_tf32, split_bf16x3
@@ -141,7 +139,6 @@ def _linear_kernel(
     ACTIVATION: tl.constexpr,
     RMS: tl.constexpr,
     KEEP: tl.constexpr,
-    GRAD: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -206,25 +203,11 @@ def _linear_kernel(
         acc = embedding(acc, rm, rn, M, N, table_ptr, index_ptr, geometry_ptr, matrix_ptr)
     if KEEP:  # the pre-activation, for a backward pass
         keep(acc, rm, col0, M, N, saved_ptr, stride_s, ACTIVATION)
-    inside = (rm[:, None] < M) & (rn[None, :] < N)
-    if GRAD == 1:
-        acc = silu_grad(acc, tl.load(saved_ptr + rm[:, None] * stride_s + rn[None, :], mask=inside, other=0.0))
-    if GRAD == 2:  # [dv | dg] [M, 2N] from the saved [v | g]; the tile of dh is not written
-        at = rm[:, None] * stride_s + rn[None, :]
-        dv, dg = swiglu_grad(
-            acc,
-            tl.load(saved_ptr + at, mask=inside, other=0.0),
-            tl.load(saved_ptr + at + N, mask=inside, other=0.0),
-        )
-        out = y_ptr + rm[:, None] * stride_ym + rn[None, :]
-        tl.store(out, dv, mask=inside)
-        tl.store(out + N, dg, mask=inside)
-    else:
-        acc = apply(acc, ACTIVATION)
-        if ACTIVATION == 2:  # SwiGLU: the tile's interleaved pairs give BN // 2 columns of h
-            rn = col0.to(tl.int64) // 2 + tl.arange(0, BN // 2)
-            N = N // 2
-        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    acc = apply(acc, ACTIVATION)
+    if ACTIVATION == 2:  # SwiGLU: the tile's interleaved pairs give BN // 2 columns of h
+        rn = col0.to(tl.int64) // 2 + tl.arange(0, BN // 2)
+        N = N // 2
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 def tile_config(n: int, k: int) -> dict:
@@ -302,25 +285,16 @@ def launch(
     activation: str | None = None,
     rms_eps: float | None = None,
     keep: bool = False,
-    gradient: str | None = None,
-    saved: torch.Tensor | None = None,
 ):
     """``act(x [M, K] @ w^T + bias + residual)`` with the split weight ``gemm``, as [M, N]
     (:mod:`.epilogue`: the residual a tensor or an :class:`~.epilogue.Embedding` computed
     in the kernel; SwiGLU: [M, N // 2] from a weight split with interleaved rows); with
     ``rms_eps`` each row of the product divided by ``sqrt(mean(x^2) + rms_eps)`` over its
     row of x (an RMS norm before the layer, its weight multiplied into ``w``). With
-    ``keep``, also the pre-activation [M, N] (SwiGLU: as ``[v | g]``): returns ``(y, z)``.
-    With ``gradient`` (an activation) and ``saved`` (its pre-activation, [M, N] or for
-    SwiGLU [M, 2N]): the product times the activation's derivative, ``dz`` [M, N] or
-    ``[dv | dg]`` [M, 2N] (no bias, residual or activation then)."""
+    ``keep``, also the pre-activation [M, N] (SwiGLU: as ``[v | g]``): returns ``(y, z)``."""
     m, k = x.shape
     words, n, kp = gemm.words.shape
-    if gradient is not None:
-        if bias is not None or residual is not None or activation is not None or rms_eps is not None or keep:
-            raise ValueError("a gradient epilogue takes no bias, residual, activation, norm or keep")
-        saved = saved.contiguous()
-    out = 2 * n if gradient == "swiglu" else n // 2 if activation == "swiglu" else n
+    out = n // 2 if activation == "swiglu" else n
     y = torch.empty((m, out), device=x.device, dtype=torch.float32)
     z = torch.empty((m, n), device=x.device, dtype=torch.float32) if keep else None
     if m == 0:
@@ -328,14 +302,13 @@ def launch(
     embed = isinstance(residual, Embedding)
     tensor = residual is not None and not embed
     if k == 0:
-        return without_product(m, n, x.device, bias, residual, activation, keep, gradient, saved)
+        return without_product(m, n, x.device, bias, residual, activation, keep)
     config = gemm.config
     tma = gemm.descriptor is not None and _tma_ready(x)
     x_desc = None
     if tma:
         x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [config["BM"], config["BK"]])
     grid = (triton.cdiv(m, config["BM"]) * gemm.tiles_n,)
-    extra = z if keep else saved
     with on_device(x.device):
         _linear_kernel[grid](
             x,
@@ -345,7 +318,7 @@ def launch(
             bias if bias is not None else y,
             residual if tensor else y,
             *(residual if embed else (y, y, y, y)),
-            y if extra is None else extra,
+            y if z is None else z,
             y,
             m,
             n,
@@ -353,7 +326,7 @@ def launch(
             kp,
             x.stride(0),
             y.stride(0),
-            0 if extra is None else extra.stride(0),
+            0 if z is None else z.stride(0),
             0.0 if rms_eps is None else rms_eps,
             WORDS=words,
             TMA=tma,
@@ -363,7 +336,6 @@ def launch(
             ACTIVATION=ACTIVATIONS[activation],
             RMS=rms_eps is not None,
             KEEP=keep,
-            GRAD=ACTIVATIONS[gradient],
             **config,
         )
     return (y, z) if keep else y
@@ -452,16 +424,6 @@ class TritonBackend:
             return None
         bias = None if bias is None else bias.detach().contiguous()
         return self.launch(x, prepared.forward, bias, residual, activation, rms_eps, keep)
-
-    def fused_grad(
-        self, grad_y: torch.Tensor, prepared: Prepared, activation: str, saved: torch.Tensor
-    ) -> torch.Tensor | None:
-        """The input gradient ``grad_y @ weight`` times the derivative of the ``activation``
-        before the layer, at its pre-activation ``saved`` (:func:`launch`'s ``gradient``), in
-        one kernel; None where :meth:`grad_input` would not run the kernel."""
-        if grad_y.shape[0] < prepared.backward.min_rows:
-            return None
-        return self.launch(grad_y, prepared.backward, gradient=activation, saved=saved)
 
     def grad_input(self, grad_y: torch.Tensor, prepared: Prepared) -> torch.Tensor:
         if grad_y.shape[0] < prepared.backward.min_rows:
