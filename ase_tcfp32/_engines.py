@@ -133,8 +133,8 @@ def make_engine(
         atoms); lean engines only.
     :param check_consistency: metatomic's checks of the model's inputs and outputs (the
         metatomic engine; the calculator checks the lean engines', :mod:`ase_tcfp32._consistency`).
-    :param llpr: the energy's LLPR, for :data:`ase_tcfp32._uncertainty.LLPR_OUTPUTS` (None: the
-        model has none).
+    :param llpr: the checkpoint's LLPR, for :data:`ase_tcfp32._uncertainty.LLPR_OUTPUTS` (None:
+        the model has none).
     """
     check_engine(engine, device, low_memory)
     used, reason = choose_engine(pet, device, low_memory) if engine == "auto" else (engine, "chosen by the caller")
@@ -147,7 +147,7 @@ def make_engine(
         from ._metatomic import MetatomicEngine
 
         variants = heads.variants if heads else None
-        return MetatomicEngine(pet, device, skin, variants, llpr, check_consistency), used, reason
+        return MetatomicEngine(pet, device, skin, variants, llpr, check_consistency, heads), used, reason
     graph_atoms, large_skin = (sys.maxsize if used == "graphs" else 0), None
     if replays:
         graph_atoms, large_skin = GRAPH_ATOMS, (LARGE_SKIN if neighbor_skin is None else neighbor_skin)

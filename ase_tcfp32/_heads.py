@@ -19,6 +19,7 @@ head's per-type scale and offset; :func:`readout` applies a head to packed rows.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import NamedTuple
 
 import torch
@@ -187,15 +188,14 @@ def readout_table(
 
 
 def table_predictions(
-    backend: torch.nn.Module, nodes: list, edges: list, batch: dict, names: list[str], features: bool = False
+    backend: torch.nn.Module, nodes: list, edges: list, batch: dict, names: list[str], features: Collection[str] = ()
 ) -> tuple:
     """:func:`readout_table` of each target of ``names`` from metatrain's features and its
-    ``batch`` (the table), and with ``features`` the first target's last-layer features."""
+    ``batch`` (the table): the predictions, and the last-layer features of each target
+    (None for those not among ``features``), both lists in the order of ``names``."""
     factors, mask = batch["cutoff_factors"], batch["padding_mask"]
-    out = [
-        readout_table(backend, name, nodes, edges, factors, mask, k == 0 and features) for k, name in enumerate(names)
-    ]
-    return [prediction for prediction, _ in out], out[0][1]
+    out = [readout_table(backend, name, nodes, edges, factors, mask, name in features) for name in names]
+    return [prediction for prediction, _ in out], [found for _, found in out]
 
 
 def direct_output(quantity: str, term: torch.Tensor, cells: torch.Tensor, system: torch.Tensor) -> dict:
@@ -221,11 +221,15 @@ class LLPR(NamedTuple):
     """metatrain's last-layer prediction rigidity of the energy (the uncertainty PET-MAD
     releases carry): for last-layer features f (per atom, or summed over a structure's
     atoms), ``sigma = multiplier * |L^-1 f|`` with L the Cholesky factor of the calibrated
-    covariance, and the ensemble members ``W f`` re-centred on the prediction."""
+    covariance, and the ensemble members ``W f`` re-centred on the prediction. ``direct``:
+    the ensembles metatrain's LLPR also keeps of the direct heads, by target name, each
+    member's last layer for the head's C components (member k's component c in row
+    ``k * C + c``; :mod:`ase_tcfp32._uncertainty`)."""
 
     cholesky: torch.Tensor  # [F, F] float64, lower triangular
     multiplier: float
     weights: torch.Tensor | None  # [K, F] float64: the ensemble's last layers
+    direct: dict[str, torch.Tensor]  # target name -> [K * C, F] float64
 
     @classmethod
     def of(cls, wrapper: torch.nn.Module | None) -> LLPR | None:
@@ -239,7 +243,12 @@ class LLPR(NamedTuple):
             return None
         layers = getattr(wrapper, "llpr_ensemble_layers", {})
         weights = layers["energy"].weight.detach().double().cpu() if "energy" in layers else None
-        return cls(cholesky, multiplier, weights)
+        direct = {
+            name: layer.weight.detach().double().cpu()
+            for name, layer in layers.items()
+            if name.split("/")[0] in (FORCE, STRESS)
+        }
+        return cls(cholesky, multiplier, weights, direct)
 
     def uncertainty(self, features: torch.Tensor) -> torch.Tensor:
         """sigma (eV) of each row of ``features`` [M, F]: [M]."""

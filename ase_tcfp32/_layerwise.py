@@ -37,6 +37,7 @@ modules on the same rows, summed in another order (``tests/test_layerwise.py``).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import NamedTuple
 
 import numpy as np
@@ -161,25 +162,23 @@ class _Pieces(torch.autograd.Function):
                     rows = slice(piece.first, piece.last)
                     following[rows] = _combined(edges, out, rows, packed.reverse, norms[k], mlps[k])
                 edges = following
-        predictions = [[] for _ in names]
-        found = []
+        predictions, found = [[] for _ in names], [[] for _ in names]
         for piece in plan:
             rows = slice(piece.first, piece.last)
             top = _combined(edges, out, rows, packed.reverse, norms[-1], mlps[-1])
             local = _rows(packed, piece, None, None, factors[rows])
             atoms = nodes[piece.start : piece.stop]
             for k, name in enumerate(names):
-                wanted = k == 0 and features
                 prediction, piece_features = readout(
-                    backend, name, atoms, top, local.factors, local.real, local.centers, wanted
+                    backend, name, atoms, top, local.factors, local.real, local.centers, name in features
                 )
                 predictions[k].append(prediction)
                 if piece_features is not None:
-                    found.append(piece_features)
+                    found[k].append(piece_features)
         ctx.backend, ctx.packed, ctx.names, ctx.plan, ctx.features = backend, packed, names, plan, features
         ctx.kept, ctx.top = kept, (nodes, out, edges)  # kept through repeated backward passes (the LLPR's)
-        outputs = [torch.cat(p) for p in predictions] + ([torch.cat(found)] if features else [])
-        ctx.mark_non_differentiable(*outputs[1 : len(names)])  # the direct heads
+        outputs = [torch.cat(p) for p in predictions] + [torch.cat(f) for f in found if f]
+        ctx.mark_non_differentiable(*outputs[1 : len(names)], *outputs[len(names) + (names[0] in features) :])
         ctx.set_materialize_grads(False)
         return tuple(outputs)
 
@@ -188,7 +187,8 @@ class _Pieces(torch.autograd.Function):
         backend, packed, plan = ctx.backend, ctx.packed, ctx.plan
         norms, mlps, layers = backend.combination_norms, backend.combination_mlps, backend.gnn_layers
         nodes, out, edges = ctx.top
-        grad_features = others[-1] if ctx.features else None  # the first target's features (the LLPR's)
+        energy_features = ctx.names[0] in ctx.features  # the first target's (the LLPR's); the others' have none
+        grad_features = others[len(ctx.names) - 1] if energy_features else None
         geometry = [torch.zeros_like(t) for t in (packed.vectors, packed.distances, packed.factors)]
         grad_out = torch.zeros_like(out)  # dE/do of the layer in hand
         grad_edges = torch.zeros_like(out)  # dE/d(that layer's input messages)
@@ -205,7 +205,7 @@ class _Pieces(torch.autograd.Function):
                 top = below + _combination(o, o_reverse, norms[-1], mlps[-1])
                 local = _rows(packed, piece, None, None, factors)
                 found = readout(
-                    backend, ctx.names[0], top_nodes, top, local.factors, local.real, local.centers, ctx.features
+                    backend, ctx.names[0], top_nodes, top, local.factors, local.real, local.centers, energy_features
                 )
                 values, given = zip(*[(v, g[a:b]) for v, g in zip(found, (grad, grad_features)) if g is not None])
                 grads = torch.autograd.grad(values, leaves, given, allow_unused=True)
@@ -257,12 +257,12 @@ class _Pieces(torch.autograd.Function):
 
 
 def predictions(
-    backend: torch.nn.Module, packed: Packed, names: list[str], features: bool, policy: Pieces | None
+    backend: torch.nn.Module, packed: Packed, names: list[str], features: Collection[str], policy: Pieces | None
 ) -> tuple:
     """:func:`ase_tcfp32._packed.predictions` (PET's per-atom predictions [N, C] of the
-    targets ``names``, and with ``features`` the first target's last-layer features [N, F],
-    else None), evaluated in pieces, one GNN layer at a time, where the ``policy`` says so
-    (see the module doc; None: never)."""
+    targets ``names``, and the last-layer features [N, F] of those among ``features``, else
+    None), evaluated in pieces, one GNN layer at a time, where the ``policy`` says so (see
+    the module doc; None: never)."""
     if policy is None or packed.species.shape[0] <= policy.above:
         return _packed_predictions(backend, packed, names, features)
     total = int(packed.sequences.total)
@@ -271,4 +271,5 @@ def predictions(
     outputs = _Pieces.apply(
         packed.vectors, packed.distances, packed.factors, backend, packed, list(names), plan, features, keep
     )
-    return list(outputs[: len(names)]), (outputs[-1] if features else None)
+    rest = iter(outputs[len(names) :])
+    return list(outputs[: len(names)]), [next(rest) if name in features else None for name in names]

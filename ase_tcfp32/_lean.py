@@ -43,7 +43,7 @@ from ._inputs import Kept, neighbor_table, packed_rows
 from ._kernels.context import cutoff_kernel_usable
 from ._neighbors import PairTerms, Structures, VerletList, pair_vectors, round_up, virials
 from ._results import per_structure
-from ._uncertainty import LLPR_OUTPUTS, Uncertainty
+from ._uncertainty import LLPR_OUTPUTS, Uncertainty, features_for
 
 _FAR = 1.0e6
 """Distance given to the padding pairs: past every cutoff, so they weigh exactly zero."""
@@ -99,8 +99,8 @@ class LeanPET:
         (:mod:`ase_tcfp32._packed`: its attention on tensor cores; not with ``compile``).
     :param pieces: on packed rows, when to evaluate a system in pieces, one GNN layer at a
         time (:class:`ase_tcfp32._layerwise.Pieces`; None: never).
-    :param llpr: the energy's LLPR, for ``energy_uncertainty`` and ``energy_ensemble``
-        (:mod:`ase_tcfp32._uncertainty`); None: the model has none.
+    :param llpr: the checkpoint's LLPR, for ``energy_uncertainty``, ``energy_ensemble`` and
+        the direct heads' ensembles (:mod:`ase_tcfp32._uncertainty`); None: the model has none.
     """
 
     def __init__(
@@ -134,7 +134,7 @@ class LeanPET:
         self.pet, self.device, self.graph_atoms = pet.to(device), device, graph_atoms
         self.backend = pet.backend
         self.dtype = next(pet.parameters()).dtype
-        self.uncertainty = Uncertainty(llpr, device, self.dtype) if llpr is not None else None
+        self.uncertainty = Uncertainty(llpr, device, self.dtype, self.backend, self.heads)
         self.skins = (float(skin), float(skin if large_skin is None else large_skin))
         self.neighbors = VerletList(float(self.backend.cutoff), device, self.dtype)
         self.cuda_graphs = False  # set per system, with the skin
@@ -254,15 +254,17 @@ class LeanPET:
         cells: torch.Tensor,
         numbers: torch.Tensor,
         direct: tuple[str, ...],
-        features: bool = False,
+        features: tuple[str, ...] = (),
     ) -> tuple:
         """Per-atom energies [N] (eV, float64: PET's output, scaled and offset in float64),
-        the ``direct`` heads' per-atom predictions (float64, scaled; [N, 3] and [N, 9]) and
-        the sizes the step needed (a tensor [2]: the largest neighbor count and, on packed
-        rows, the kept pairs' number), for the pair ``vectors`` [capacity, 3] of atoms of
-        atomic ``numbers`` [N] in structures of ``cells`` [S, 3, 3]; with ``features`` the
-        energy head's last-layer features [N, F] (else None)."""
-        heads = [self.heads[quantity] for quantity in (ENERGY, *direct)]
+        the ``direct`` heads' per-atom predictions (float64, scaled; [N, 3] and [N, 9]), the
+        sizes the step needed (a tensor [2]: the largest neighbor count and, on packed rows,
+        the kept pairs' number) and the last-layer features [N, F] of the heads among
+        ``features`` (a dict by head), for the pair ``vectors`` [capacity, 3] of atoms of
+        atomic ``numbers`` [N] in structures of ``cells`` [S, 3, 3]."""
+        quantities = (ENERGY, *direct)
+        heads = [self.heads[quantity] for quantity in quantities]
+        features = [head.name for quantity, head in zip(quantities, heads) if quantity in features]
         if self.packed:
             from ._layerwise import predictions  # the whole system, or in pieces
 
@@ -279,7 +281,7 @@ class LeanPET:
             out.double() * head.scale[numbers][:, None] + head.offset[numbers][:, None]
             for out, head in zip(outputs, heads)
         ]
-        return scaled[0][:, 0], scaled[1:], torch.stack([most, total]), found
+        return scaled[0][:, 0], scaled[1:], torch.stack([most, total]), dict(zip(quantities, found))
 
     def _step(
         self,
@@ -297,12 +299,12 @@ class LeanPET:
         energies [N] times their ``weights`` [N]); with ``grad`` the forces [N, 3] (with ``stress`` each
         structure's strain derivative [S, 3, 3]) from one backward pass of those sums; the ``direct``
         heads' forces [N, 3] (net force removed per structure) and stress [S, 3, 3], same forward pass;
-        the ``llpr`` outputs of the energy head's last-layer features (:meth:`ase_tcfp32._uncertainty.Uncertainty.outputs`)."""
+        the ``llpr`` outputs of the heads' last-layer features (:meth:`ase_tcfp32._uncertainty.Uncertainty.outputs`)."""
         positions = positions.detach().requires_grad_(grad)
         count = cells.shape[0]
         with torch.set_grad_enabled(grad):
             vectors = pair_vectors(positions, self.pairs)
-            energies, terms, sizes, found = self.predict(vectors, cells, numbers, direct, bool(llpr))
+            energies, terms, sizes, found = self.predict(vectors, cells, numbers, direct, features_for(llpr))
             weighted = energies * weights
             if grad:
                 wrt = [positions, vectors] if stress else [positions]
@@ -313,13 +315,11 @@ class LeanPET:
                 out["forces"] = -grads[0]
             if grad and stress:  # dE/d(strain) of structure s: its pairs' v ⊗ dE/dv, summed (see the module doc)
                 out["virial"] = virials(vectors, grads[1], self.pairs, count)
-            if "energy_features" in llpr:
-                out["energy_features"] = found.detach()
-            if set(llpr) - {"energy_features"}:
+            for quantity, term in zip(direct, terms):
+                out.update(direct_output(quantity, term.detach(), cells, system))
+            if llpr:
                 virial = functools.partial(virials, pairs=self.pairs, count=count) if stress else None
-                out.update(self.uncertainty.outputs(llpr, found, out, positions, vectors, virial))
-        for quantity, term in zip(direct, terms):
-            out.update(direct_output(quantity, term.detach(), cells, system))
+                out.update(self.uncertainty.outputs(llpr, found, out, positions, system, vectors, virial))
         return out
 
     # ----- the engine interface -----------------------------------------------------------
@@ -337,10 +337,8 @@ class LeanPET:
         grad = "forces" in properties or "stress" in properties
         stress = "stress" in properties and any(atoms.pbc.all() for atoms in structures)
         named = ((FORCE, "non_conservative_forces"), (STRESS, "non_conservative_stress"))
-        direct = tuple(quantity for quantity, name in named if name in properties)
-        llpr = tuple(name for name in LLPR_OUTPUTS if name in properties)
-        if set(llpr) - {"energy_features"} and self.uncertainty is None:
-            raise ValueError("this model carries no LLPR uncertainty")
+        direct = tuple(quantity for quantity, name in named if name in properties or f"{name}_ensemble" in properties)
+        llpr = self.uncertainty.check(name for name in LLPR_OUTPUTS if name in properties)
         grad = grad or "energy_ensemble" in llpr
         flags = {"grad": grad, "stress": stress, "direct": direct, "llpr": llpr}
         batch = Structures.of(structures)
@@ -383,7 +381,7 @@ class LeanPET:
         """One :meth:`_step` with ``flags``: eager, or replaying the graph recorded (once) for them."""
         due = self.check_every and self.evaluations % self.check_every == 0
         self.evaluations += 1
-        if not self.cuda_graphs or "energy_ensemble" in flags["llpr"]:  # one-off ensembles: no graph kept
+        if not self.cuda_graphs or any(name.endswith("_ensemble") for name in flags["llpr"]):  # one-offs: no graph
             return self._step(positions, cells, numbers, system, weights, **flags)
         if due:  # the watchdog's turn: the same step, eagerly, every layer checked
             with watchdog.check_all():

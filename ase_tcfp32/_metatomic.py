@@ -15,8 +15,8 @@ from ase import Atoms
 from ase.calculators.calculator import all_changes
 from ase.stress import voigt_6_to_full_3x3_stress
 
-from ._heads import LLPR
-from ._uncertainty import Uncertainty
+from ._heads import FORCE, LLPR, Heads
+from ._uncertainty import DIRECT_ENSEMBLES, LLPR_OUTPUTS, Uncertainty
 from .models import import_dependencies
 
 DIRECT = {"non_conservative_forces": "forces", "non_conservative_stress": "stress"}
@@ -30,8 +30,10 @@ class MetatomicEngine:
     :param device: where to evaluate it.
     :param skin: Verlet skin (Å) of metatomic-ase's neighbor lists.
     :param variants: metatomic-ase's ``variants`` (which output of each quantity to read).
-    :param llpr: the energy's LLPR (:mod:`ase_tcfp32._uncertainty`); its features then come
-        with every single-structure evaluation, as metatomic-ase's additional output.
+    :param llpr: the checkpoint's LLPR (:mod:`ase_tcfp32._uncertainty`); the energy's features
+        then come with every single-structure evaluation, as metatomic-ase's additional output.
+    :param heads: the heads read (:class:`ase_tcfp32._heads.Heads`), for the direct heads'
+        ensembles (default: from ``variants``).
     """
 
     FEATURES = "mtt::aux::energy_last_layer_features"
@@ -44,13 +46,16 @@ class MetatomicEngine:
         variants: dict | None = None,
         llpr: LLPR | None = None,
         check_consistency: bool = False,
+        heads: Heads | None = None,
     ):
         import_dependencies(metatomic_ase=True)
         from metatomic.torch import ModelOutput
         from metatomic_ase import MetatomicCalculator
 
         self.model = model = pet.export().eval()
-        self.uncertainty = None if llpr is None else Uncertainty(llpr, device, next(pet.parameters()).dtype)
+        if llpr is not None and llpr.direct and heads is None:
+            heads = Heads(pet, variants)
+        self.uncertainty = Uncertainty(llpr, device, next(pet.parameters()).dtype, pet.backend, heads)
         energy = (variants or {}).get("energy")
         self.energy = "energy" if energy is None else f"energy/{energy}"
         features = {self.FEATURES: ModelOutput(sample_kind="atom")} if llpr is not None else None
@@ -79,7 +84,8 @@ class MetatomicEngine:
         asked), ``forces`` [n, 3] (eV/Å) when ``"forces"`` or ``"stress"`` is asked,
         ``stress`` [3, 3] (eV/Å³) of each 3D-periodic structure when ``"stress"`` is asked,
         the direct heads' ``non_conservative_forces`` / ``non_conservative_stress`` and the
-        LLPR outputs (:data:`ase_tcfp32._uncertainty.LLPR_OUTPUTS`) when asked. One structure goes
+        LLPR outputs (:data:`ase_tcfp32._uncertainty.LLPR_OUTPUTS`: the direct heads' ensembles
+        from one more model call per structure) when asked. One structure goes
         through metatomic-ase's ``calculate``, which keeps its
         neighbor list between calls; several through one batched model call. With
         ``weights`` ([n] per structure): ``energy``, ``energies``, ``forces`` and ``stress`` of
@@ -90,8 +96,7 @@ class MetatomicEngine:
                 raise ValueError(f"with weights, the metatomic engine computes no {', '.join(unknown)}")
             return [self.weighted(atoms, np.asarray(w, float), properties) for atoms, w in zip(structures, weights)]
         grad = "forces" in properties or "stress" in properties
-        if ("energy_uncertainty" in properties or "energy_ensemble" in properties) and self.uncertainty is None:
-            raise ValueError("this model carries no LLPR uncertainty")
+        self.uncertainty.check(name for name in LLPR_OUTPUTS if name in properties)
         results = self._run(self.calculator, structures, properties, grad, "stress" in properties)
         if "energy_features" in properties or "energy_uncertainty" in properties:
             for result, atoms in zip(results, structures):
@@ -106,7 +111,7 @@ class MetatomicEngine:
                 result.update(
                     {key: value for key, value in members.items() if "stress" in properties or "forces" in key}
                 )
-        direct = [name for name in DIRECT if name in properties]
+        direct = [name for name in DIRECT if name in properties or f"{name}_ensemble" in properties]
         if direct:
             setting = True if len(direct) == 2 else DIRECT[direct[0]]
             if setting not in self._direct:
@@ -115,6 +120,9 @@ class MetatomicEngine:
             answers = self._run(self._direct[setting], structures, wanted, True, "stress" in wanted)
             for result, answer in zip(results, answers):
                 result.update({name: answer[DIRECT[name]] for name in direct if DIRECT[name] in answer})
+        ensembles = [name for name in DIRECT_ENSEMBLES if name in properties]
+        for result, atoms in zip(results, structures) if ensembles else ():
+            result.update(self._direct_members(atoms, result, ensembles))
         return results
 
     def weighted(self, atoms: Atoms, weights: np.ndarray, properties) -> dict:
@@ -169,6 +177,28 @@ class MetatomicEngine:
             virial = energy_grads[1].double()[..., None] + self.uncertainty.spread(jacobians[1])
             result["energy_ensemble_stress"] = virial.cpu().numpy() / atoms.get_volume()
         return result
+
+    def _direct_members(self, atoms: Atoms, result: dict, names: list[str]) -> dict:
+        """The direct heads' ensembles ``names`` of ``atoms``
+        (:meth:`ase_tcfp32._uncertainty.Uncertainty.direct_members`) from their last-layer features
+        (one model call) and the direct results in ``result``: the forces' [n, 3, K], net
+        force removed per member, and the stress's [3, 3, K] of a 3D-periodic structure."""
+        from metatomic.torch import ModelOutput
+
+        heads = {DIRECT_ENSEMBLES[name]: name for name in names if "forces" in name or atoms.pbc.all()}
+        keys = {quantity: f"mtt::aux::{self.uncertainty.targets[quantity]}_last_layer_features" for quantity in heads}
+        kinds = {quantity: "atom" if quantity == FORCE else "system" for quantity in heads}
+        found = self.calculator.run_model(atoms, {keys[q]: ModelOutput(sample_kind=kinds[q]) for q in heads})
+        members = {}
+        for quantity, name in heads.items():
+            features = found[keys[quantity]].block().values.detach()
+            prediction = torch.as_tensor(result[name.removesuffix("_ensemble")], device=features.device)
+            if quantity == FORCE:  # [n, 3]
+                ensemble = self.uncertainty.direct_members(quantity, features, prediction)
+                members[name] = (ensemble - ensemble.mean(0)).cpu().numpy()
+            else:  # [3, 3], the structure's
+                members[name] = self.uncertainty.direct_members(quantity, features, prediction[None])[0].cpu().numpy()
+        return members
 
     def _system(self, atoms: Atoms, grad: bool, stress: bool) -> tuple:
         """``atoms`` as a metatomic ``System`` in the exported model's dtype and on its device,

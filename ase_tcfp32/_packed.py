@@ -24,6 +24,7 @@ cores (:func:`ase_tcfp32._attention.on_tensor_cores`): :func:`unsupported_reason
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import NamedTuple
 
 import torch
@@ -135,13 +136,14 @@ def features_of(backend: torch.nn.Module, packed: Packed) -> tuple[torch.Tensor,
     return nodes, edges
 
 
-def predictions(backend: torch.nn.Module, packed: Packed, names: list[str], features: bool = False) -> tuple:
+def predictions(backend: torch.nn.Module, packed: Packed, names: list[str], features: Collection[str] = ()) -> tuple:
     """PET's per-atom predictions [N, C] of the targets ``names`` (before the scaler and
     composition model), read out of one pass of the GNN layers (:func:`ase_tcfp32._heads.readout`),
-    and with ``features`` the first target's last-layer features [N, F] (else None)."""
+    and the last-layer features [N, F] of each target (None for those not among ``features``),
+    both lists in the order of ``names``."""
     nodes, edges = features_of(backend, packed)
     out = [
-        readout(backend, name, nodes, edges, packed.factors, packed.real, packed.centers, k == 0 and features)
-        for k, name in enumerate(names)
+        readout(backend, name, nodes, edges, packed.factors, packed.real, packed.centers, name in features)
+        for name in names
     ]
-    return [prediction for prediction, _ in out], out[0][1]
+    return [prediction for prediction, _ in out], [found for _, found in out]

@@ -18,18 +18,22 @@ PER_ATOM = (
     "energy_features",
     "energy_uncertainty",
     "energy_ensemble_forces",
+    "non_conservative_forces_ensemble",
 )
 """Results with one row per atom (their first axis runs over all atoms of the call)."""
 
 STRESSES = {"virial": "stress", "energy_ensemble_virial": "energy_ensemble_stress"}
 """Strain derivatives (eV) per structure, and the name of each over the volume (eV/Å³)."""
 
+DIRECT_STRESSES = ("non_conservative_stress", "non_conservative_stress_ensemble")
+"""Stresses per structure that the direct stress head gives as such (eV/Å³)."""
+
 
 def per_structure(host: dict[str, np.ndarray], structures: list[Atoms]) -> list[dict]:
     """One dict per structure of ``structures`` from ``host``, the engine's float64 arrays for
     the whole call: ``energy`` [S] as floats, :data:`PER_ATOM` arrays split by structure,
-    and for each 3D-periodic structure the :data:`STRESSES` (over its volume) and
-    ``non_conservative_stress`` [S, 3, 3] (already a stress)."""
+    and for each 3D-periodic structure the :data:`STRESSES` (over its volume) and the
+    :data:`DIRECT_STRESSES` ([S, 3, 3], [S, 3, 3, K]: already stresses)."""
     ends = np.cumsum([len(atoms) for atoms in structures])[:-1]
     per_atom = {key: np.split(host[key], ends) for key in PER_ATOM if key in host}
     results = []
@@ -38,7 +42,6 @@ def per_structure(host: dict[str, np.ndarray], structures: list[Atoms]) -> list[
         if atoms.pbc.all():
             volume = atoms.get_volume()
             result.update({name: host[key][k] / volume for key, name in STRESSES.items() if key in host})
-            if "non_conservative_stress" in host:
-                result["non_conservative_stress"] = host["non_conservative_stress"][k]
+            result.update({key: host[key][k] for key in DIRECT_STRESSES if key in host})
         results.append(result)
     return results

@@ -14,23 +14,78 @@ F)), the r vector-Jacobian products of ``B F`` (one backward pass each, through 
 the step's own forward pass, in the model's precision) give every member's forces and
 stress: ``forces_k = forces - C_k . d(B F)/dx``, ``virial_k = virial + C_k . d(B F)/d(strain)``.
 No model evaluation per member; the demo model has r = 127, PET-MAD-S 127 for F = 512.
+
+The direct heads' ensembles (a checkpoint whose LLPR has them: ``LLPR.direct``) are
+metatrain's ``mtt::aux::<target>_ensemble`` outputs: from the head's own last-layer features
+g [F] (per atom for the forces; summed over the structure's atoms for the stress), member
+k's component c is ``W[k C + c] . g`` (C = 3 or 9 components), re-centred on the head's
+prediction p: ``p_c + W[k C + c] . g - mean_j(W[j C + c] . g)``. The product runs in a layer
+that computes as the head's own last layer does (the calculator's precision, on its
+device), with the weights centred over the members beforehand in float64 (the same
+numbers, without the cancellation of the members' common part). upet then removes each
+force member's net force; the stress members are [3, 3, K] as metatrain gives them: their
+spread is not divided by the volume, nor symmetrized (only the prediction is).
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 
 import numpy as np
 import torch
 
-from ._heads import LLPR
+from ._heads import COMPONENTS, ENERGY, FORCE, LLPR, STRESS, Heads
+from .layers import TCLinear
 
-LLPR_OUTPUTS = ("energy_features", "energy_uncertainty", "energy_ensemble")
+DIRECT_ENSEMBLES = {"non_conservative_forces_ensemble": FORCE, "non_conservative_stress_ensemble": STRESS}
+"""The direct heads' ensembles an engine may be asked for, and the head of each."""
+
+LLPR_OUTPUTS = ("energy_features", "energy_uncertainty", "energy_ensemble", *DIRECT_ENSEMBLES)
 """What an engine (:class:`ase_tcfp32._engines.Engine`) of a model with an LLPR may also be
-asked for: ``energy_features`` [n, F] (any model), each atom's ``energy_uncertainty`` [n] (eV), and
+asked for: ``energy_features`` [n, F] (any model), each atom's ``energy_uncertainty`` [n] (eV),
 with ``"energy_ensemble"`` the ensemble members' conservative ``energy_ensemble_forces``
 [n, 3, K] (eV/Å) and, with ``"stress"`` and for 3D-periodic structures,
-``energy_ensemble_stress`` [3, 3, K] (eV/Å³): the gradients of metatrain's energy ensemble."""
+``energy_ensemble_stress`` [3, 3, K] (eV/Å³): the gradients of metatrain's energy ensemble;
+and, where the LLPR has them, the direct heads' ensembles (the direct results come with
+them): ``non_conservative_forces_ensemble`` [n, 3, K] (eV/Å, net force removed per member)
+and, for 3D-periodic structures, ``non_conservative_stress_ensemble`` [3, 3, K] (eV/Å³)."""
+
+
+def direct_ensembles(llpr: LLPR | None, heads: Heads | None) -> dict[str, str]:
+    """The direct heads (``FORCE``, ``STRESS``) among ``heads`` whose ensemble ``llpr``
+    has, and the target name of each."""
+    if llpr is None or heads is None:
+        return {}
+    return {q: heads.names[q] for q in (FORCE, STRESS) if q in heads.names and heads.names[q] in llpr.direct}
+
+
+def features_for(names: Iterable[str]) -> tuple[str, ...]:
+    """The heads (``ENERGY``, ``FORCE``, ``STRESS``) whose last-layer features the LLPR
+    outputs ``names`` are computed from."""
+    wanted = {DIRECT_ENSEMBLES.get(name, ENERGY) for name in names}
+    return tuple(quantity for quantity in (ENERGY, FORCE, STRESS) if quantity in wanted)
+
+
+def ensemble_layer(backend: torch.nn.Module, name: str, weight: torch.Tensor, device) -> torch.nn.Module:
+    """A bias-free Linear layer of ``weight`` [out, F] on ``device`` that computes as target
+    ``name``'s own last layer does: its dtype and, where it is a
+    :class:`ase_tcfp32.layers.TCLinear`, its precision (emulated or on tensor cores)."""
+    last = next(iter(backend.node_last_layers[name][0].values()))
+    layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=device, dtype=last.weight.dtype)
+    layer.weight.requires_grad_(False).copy_(weight)
+    if isinstance(last, TCLinear):
+        return TCLinear.from_linear(layer, last.precision, last.emulate, last.check_accuracy, f"{name} ensemble")
+    return layer
+
+
+def per_structure_centred(values: torch.Tensor, system: torch.Tensor, count: int) -> torch.Tensor:
+    """``values`` [N, ...] of atoms in structures ``system`` [N] (of ``count``), less each
+    structure's mean over its atoms (a force's net force)."""
+    sums = values.new_zeros((count, *values.shape[1:])).index_add_(0, system, values)
+    atoms = torch.bincount(system, minlength=count).clamp_min(1).to(values.dtype)
+    return values - (sums / atoms.reshape(-1, *[1] * (values.dim() - 1))).index_select(0, system)
+
 
 RANK_TOLERANCE = 1e-12
 """Directions of the centred ensemble weights whose singular value is below this fraction
@@ -39,20 +94,44 @@ of the largest are left out (exact zeros: the centring removes one direction).""
 
 class Uncertainty:
     """The LLPR's matrices on an engine's device: ``whiten`` [F, F] float64 (per-atom sigma),
-    and, when the LLPR has an ensemble, ``basis`` [r, F] (the model's dtype) and
-    ``coefficients`` [K, r] float64 with ``W - w̄ = coefficients @ basis`` (else None)."""
+    and, when the LLPR has an energy ensemble, ``basis`` [r, F] (the model's dtype) and
+    ``coefficients`` [K, r] float64 with ``W - w̄ = coefficients @ basis`` (else None);
+    ``direct``: the ensemble layer of each direct head among ``heads`` that the LLPR has an
+    ensemble of (:func:`ensemble_layer` on ``backend``, weights centred over the members).
+    ``llpr`` None: a model without one (only ``energy_features`` can be computed)."""
 
-    def __init__(self, llpr: LLPR, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self, llpr: LLPR | None, device: torch.device, dtype: torch.dtype, backend=None, heads: Heads | None = None
+    ):
+        self.llpr = llpr
+        self.whiten = self.basis = self.coefficients = None
+        self.direct, self.targets = {}, direct_ensembles(llpr, heads)  # by head: ensemble layer, target name
+        if llpr is None:
+            return
         inverse = torch.linalg.solve_triangular(
             llpr.cholesky, torch.eye(len(llpr.cholesky), dtype=torch.float64), upper=False
         )
         self.whiten = (llpr.multiplier * inverse.T).to(device)
-        self.basis = self.coefficients = None
         if llpr.weights is not None:
             left, values, right = torch.linalg.svd(llpr.weights - llpr.weights.mean(0), full_matrices=False)
             keep = values > RANK_TOLERANCE * values[0]
             self.basis = right[keep].to(device, dtype)
             self.coefficients = (left[:, keep] * values[keep]).to(device)
+        for quantity, name in self.targets.items():
+            weight = llpr.direct[name]
+            members = weight.reshape(-1, COMPONENTS[quantity], weight.shape[1])
+            centred = (members - members.mean(0)).reshape(weight.shape)
+            self.direct[quantity] = ensemble_layer(backend, name, centred, device)
+
+    def check(self, names: Iterable[str]) -> tuple[str, ...]:
+        """The LLPR outputs ``names`` as a tuple, or a clear error for one the model lacks."""
+        names = tuple(names)
+        if set(names) - {"energy_features"} and self.llpr is None:
+            raise ValueError("this model carries no LLPR uncertainty")
+        missing = [name for name in names if DIRECT_ENSEMBLES.get(name, ENERGY) not in (ENERGY, *self.direct)]
+        if missing:
+            raise ValueError(f"this model's LLPR has no ensemble of the direct head for {', '.join(missing)}")
+        return names
 
     @property
     def members(self) -> int:
@@ -83,15 +162,31 @@ class Uncertainty:
         prediction's derivative, for a Jacobian [r, ...] from :meth:`jacobians`."""
         return torch.tensordot(jacobian.double(), self.coefficients, dims=([0], [1]))
 
-    def outputs(self, names, features, out: dict, positions, vectors=None, virial=None) -> dict:
-        """An engine step's LLPR outputs among ``names``, from the energy head's last-layer
-        ``features`` [N, F] of atoms at ``positions`` [N, 3] (pair ``vectors`` [E, 3], whose
-        gradients ``virial`` sums into strain derivatives per structure, None for no stress)
-        and the step's own results ``out`` (``forces`` [N, 3], ``virial`` [S, 3, 3]):
-        ``energy_uncertainty`` [N] (eV) and, with ``"energy_ensemble"``, each member's
+    def direct_members(self, quantity: str, features: torch.Tensor, prediction: torch.Tensor) -> torch.Tensor:
+        """metatrain's ensemble [M, *components, K] (float64) of direct head ``quantity`` for
+        rows of its last-layer ``features`` [M, F] (the model's dtype) whose predictions are
+        ``prediction`` [M, *components]: the prediction plus each member's departure from
+        the members' mean, from one product in the ensemble layer's precision."""
+        rows, components = prediction.shape[0], COMPONENTS[quantity]
+        spread = self.direct[quantity](features.contiguous()).double()  # [M, K * C], member-major
+        spread = spread.reshape(rows, -1, components).transpose(1, 2)
+        spread = spread - spread.mean(-1, keepdim=True)
+        return (prediction.double().reshape(rows, components, 1) + spread).reshape(*prediction.shape, -1)
+
+    def outputs(self, names, found: dict, out: dict, positions, system, vectors=None, virial=None) -> dict:
+        """An engine step's LLPR outputs among ``names`` (:data:`LLPR_OUTPUTS`), from the
+        last-layer features ``found`` of each head (:func:`features_for`: ``ENERGY`` [N, F]...)
+        of atoms at ``positions`` [N, 3] in structures ``system`` [N] (pair ``vectors`` [E, 3],
+        whose gradients ``virial`` sums into strain derivatives per structure, None for no
+        stress) and the step's own results ``out`` (``energy`` [S], ``forces`` [N, 3],
+        ``virial`` [S, 3, 3], the direct heads' results): ``energy_features`` [N, F],
+        ``energy_uncertainty`` [N] (eV), with ``"energy_ensemble"`` each member's
         ``energy_ensemble_forces`` [N, 3, K] (eV/Å) and ``energy_ensemble_virial`` [S, 3, 3, K]
-        (eV), all float64."""
+        (eV), and the direct heads' ensembles, all but the features float64."""
         result = {}
+        features = found.get(ENERGY)
+        if "energy_features" in names:
+            result["energy_features"] = features.detach()
         if "energy_uncertainty" in names:
             result["energy_uncertainty"] = self.atoms(features.detach())
         if "energy_ensemble" in names:
@@ -103,6 +198,16 @@ class Uncertainty:
                 )
                 result["energy_ensemble_virial"] = out["virial"].double()[..., None] + self.spread(strain_jacobian)
             result["energy_ensemble_forces"] = out["forces"].double()[..., None] - self.spread(positions_jacobian)
+        count = out["energy"].shape[0]
+        if "non_conservative_forces_ensemble" in names:
+            members = self.direct_members(FORCE, found[FORCE].detach(), out["non_conservative_forces"])
+            result["non_conservative_forces_ensemble"] = per_structure_centred(members, system, count)
+        if "non_conservative_stress_ensemble" in names:
+            atoms = found[STRESS].detach()
+            summed = atoms.new_zeros(count, atoms.shape[1]).index_add_(0, system, atoms)  # metatrain's per-system
+            result["non_conservative_stress_ensemble"] = self.direct_members(
+                STRESS, summed, out["non_conservative_stress"]
+            )
         return result
 
 
@@ -149,20 +254,26 @@ NO_ENSEMBLE = (
 )
 
 NO_DIRECT_ENSEMBLE = (
-    "non-conservative {quantity} uncertainty/ensemble is not available for this model: it has no ensemble of its "
-    "direct {quantity} head{read}. Use the conservative regime (non_conservative=False, for the calculator and the "
-    "call) to get the {quantity} ensemble from the gradients of the energy ensemble"
+    "non-conservative {quantity} uncertainty/ensemble is not available for this model: {why}. Use the conservative "
+    "regime (non_conservative=False, for the calculator and the call) to get the {quantity} ensemble from the "
+    "gradients of the energy ensemble"
 )
 
 
-def unavailable(quantity: str, direct: bool, llpr: LLPR | None, direct_ensembles: set[str]) -> str | None:
+def unavailable(quantity: str, direct: bool, llpr: LLPR | None, heads: Heads) -> str | None:
     """Why the ``quantity`` (``"force"`` or ``"stress"``) ensemble cannot be computed, in
-    upet's terms, or None: the ``direct`` (non-conservative) regime needs an ensemble of
-    that direct head, which ase-tcfp32 does not read (``direct_ensembles``: those the
-    checkpoint has); the conservative one the LLPR's energy ensemble."""
-    if direct:
-        read = " that ase-tcfp32 reads (the checkpoint has one: upet reads it)" if direct_ensembles else ""
-        return NO_DIRECT_ENSEMBLE.format(quantity=quantity, read=read)
-    if llpr is None or llpr.weights is None:
-        return NO_ENSEMBLE.format(quantity=quantity)
-    return None
+    upet's terms, or None: the ``direct`` (non-conservative) regime needs the LLPR's
+    ensemble of that direct head among ``heads``, the conservative one the energy ensemble."""
+    if not direct:
+        return NO_ENSEMBLE.format(quantity=quantity) if llpr is None or llpr.weights is None else None
+    head = FORCE if quantity == "force" else STRESS
+    if head not in heads.names:
+        why = f"it has no direct {quantity} head"
+    elif llpr is None:
+        why = f"it carries no LLPR uncertainty, and so no ensemble of its direct {quantity} head"
+    elif head not in direct_ensembles(llpr, heads):
+        key = f"mtt::aux::{heads.names[head]}_ensemble"
+        why = f"its LLPR has no ensemble of the direct {quantity} head (metatrain's {key!r} output)"
+    else:
+        return None
+    return NO_DIRECT_ENSEMBLE.format(quantity=quantity, why=why)

@@ -35,7 +35,8 @@ from .precision import check_name, ieee_fp32_matmul, resolve_precision, support,
 from .tcmodel import tensor_core
 
 ENSEMBLES = ("forces_ensemble", "stress_ensemble")
-"""What :meth:`TCPETCalculator.evaluate` also computes for a model with an LLPR energy ensemble."""
+"""What :meth:`TCPETCalculator.evaluate` also computes for a model with an LLPR ensemble: of
+the energy's gradients, or of the direct heads where the calculator reads them."""
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -229,7 +230,6 @@ class TCPETCalculator(Calculator):
 
         self.pet, wrapper = load_model(model, version)
         self._llpr = LLPR.of(wrapper)  # the energy's uncertainty, where the checkpoint has one
-        self._direct_ensembles = set(getattr(wrapper, "llpr_ensemble_layers", {})) - {"energy"}
         if float64:
             self.pet = self.pet.double()
         dtype = next(self.pet.parameters()).dtype
@@ -344,32 +344,37 @@ class TCPETCalculator(Calculator):
         ``"forces"`` and ``"stress"`` follow ``non_conservative``; the direct heads' results
         can also be asked by name, ``"non_conservative_forces"`` and
         ``"non_conservative_stress"``, next to the conservative ones from the same forward
-        pass (what :mod:`ase_tcfp32.mts` asks for). With the LLPR's energy ensemble,
+        pass (what :mod:`ase_tcfp32.mts` asks for). With an LLPR ensemble,
         ``"forces_ensemble"`` [n, 3, K] (eV/Å) and ``"stress_ensemble"`` [6, K] (eV/Å³,
         Voigt; 3D-periodic structures) are :meth:`get_forces_ensemble`'s and
-        :meth:`get_stress_ensemble`'s (not rotationally averaged: not with
-        ``rotational_average_order``). ``uncertainty_threshold`` is checked for every structure.
+        :meth:`get_stress_ensemble`'s in the calculator's regime (the energy ensemble's
+        gradients, or the direct heads' ensembles where it reads the heads), and
+        ``"non_conservative_forces_ensemble"`` / ``"non_conservative_stress_ensemble"`` the
+        direct heads' ensembles by name (not re-centred on conservative forces); none is
+        rotationally averaged (not with ``rotational_average_order``).
+        ``uncertainty_threshold`` is checked for every structure.
 
         >>> results = calc.evaluate([atoms.copy() for _ in range(32)])  # doctest: +SKIP
         """
         structures = list(structures)
-        known = PROPERTIES + DIRECT + ENSEMBLES
+        known = PROPERTIES + DIRECT + ENSEMBLES + tuple(_uncertainty.DIRECT_ENSEMBLES)
         unknown = sorted(set(properties) - set(known))
         if unknown:
             raise ValueError(f"unknown properties {unknown}: evaluate computes {', '.join(known)}")
-        ensembles = [name for name in ENSEMBLES if name in properties]
+        ensembles = [name for name in (*ENSEMBLES, *_uncertainty.DIRECT_ENSEMBLES) if name in properties]
         if ensembles and self.rotational_average_order:
             raise ValueError(f"{', '.join(ensembles)} are not rotationally averaged: use a calculator without it")
         for name in ensembles:
-            self._ensemble_regime(name.split("_")[0], None)
+            self._ensemble_regime(name.split("_")[-2], True if name.startswith("non_") else None)
         if not structures:
             return []
         for atoms in structures:
             self.check_atoms(atoms, [p for p in properties if p == "energy" or p == "forces"])
         results = self._checked(structures, properties)
         for result in results:
-            if "stress_ensemble" in result:
-                result["stress_ensemble"] = _uncertainty.voigt(result["stress_ensemble"])
+            for name in ("stress_ensemble", "non_conservative_stress_ensemble"):
+                if name in result:
+                    result[name] = _uncertainty.voigt(result[name])
         return results
 
     def _checked(self, structures: list[Atoms], properties) -> list[dict]:
@@ -394,13 +399,16 @@ class TCPETCalculator(Calculator):
         else from one backward pass, which gives a periodic system's stress with its forces
         for free (as metatomic-ase does); a periodic system's direct forces and stress come
         together too (two small heads on the same pass)."""
-        wanted = {"energy", *(set(properties) & {"energies", "energy_features", "energy_uncertainty", *DIRECT})}
-        if "forces_ensemble" in properties or "stress_ensemble" in properties:  # conservative: autograd
-            wanted |= {"energy_ensemble", "forces", *(("stress",) if "stress_ensemble" in properties else ())}
-        if "forces" in properties:
-            wanted.add("non_conservative_forces" if self._direct_forces else "forces")
-        if "stress" in properties:
-            wanted.add("non_conservative_stress" if self._direct_stress else "stress")
+        passed = {"energies", "energy_features", "energy_uncertainty", *DIRECT, *_uncertainty.DIRECT_ENSEMBLES}
+        wanted = {"energy", *(set(properties) & passed)}
+        for name, direct, used in (
+            ("forces", DIRECT[0], self._direct_forces),
+            ("stress", DIRECT[1], self._direct_stress),
+        ):
+            if name in properties:
+                wanted.add(direct if used else name)
+            if f"{name}_ensemble" in properties:  # the direct head's, or the energy ensemble's gradients (autograd)
+                wanted |= {f"{direct}_ensemble"} if used else {"energy_ensemble", "forces", name}
         if "forces" in wanted and periodic and not self._direct_stress:
             wanted.add("stress")
         direct = {"non_conservative_forces", "non_conservative_stress"}
@@ -424,8 +432,11 @@ class TCPETCalculator(Calculator):
                 ("forces", DIRECT[0], self._direct_forces),
                 ("stress", DIRECT[1], self._direct_stress),
             ):
-                if used and direct in result:
-                    result[name] = result[direct] if direct in properties else result.pop(direct)
+                for ours, theirs in ((name, direct), (f"{name}_ensemble", f"{direct}_ensemble")):
+                    if theirs in result:  # the direct head's: under our name where read, under its own where asked
+                        value = result[theirs] if theirs in properties else result.pop(theirs)
+                        if used:
+                            result[ours] = value
             result["free_energy"] = result["energy"]
             if "energy_ensemble_forces" in result:  # no net force per member, as upet makes them
                 members = result.pop("energy_ensemble_forces")
@@ -481,13 +492,23 @@ class TCPETCalculator(Calculator):
         conservative regime, -dE_k/dx of metatrain's energy ensemble: one forward pass and
         a backward pass per independent direction of the ensemble's weights
         (:mod:`ase_tcfp32._uncertainty`), in the calculator's precision. The
-        non-conservative regime (``non_conservative=True``, or a calculator reading the
-        direct forces) needs an ensemble of the direct head: ``NotImplementedError``
-        otherwise, as in upet."""
-        self._ensemble_regime("forces", non_conservative)
+        non-conservative regime (``non_conservative=True``, or by default on a calculator
+        reading the direct forces) reads metatrain's ensemble of the direct force head from
+        the same forward pass (its product in the calculator's precision); on a conservative
+        calculator it is re-centred on the conservative forces, keeping its spread, as upet
+        does. ``NotImplementedError`` where the model lacks the ensemble, and for
+        ``non_conservative=False`` on a calculator reading the direct forces."""
+        direct = self._ensemble_regime("forces", non_conservative)
         atoms = self._resolve(atoms)
         self.check_atoms(atoms, ["forces"])
-        return self._compute([atoms], ("energy", "forces_ensemble"))[0]["forces_ensemble"]
+        name = "non_conservative_forces_ensemble" if direct else "forces_ensemble"
+        recentre = direct and not self._direct_forces
+        result = self._compute([atoms], ("energy", name, *(("forces",) if recentre else ())))[0]
+        members = result[name]
+        if recentre:  # upet: about the calculator's forces (rotationally averaged where it averages)
+            forces = self.get_forces(atoms) if self.rotational_average_order else result["forces"]
+            members = members + (forces - members.mean(-1))[..., None]
+        return members
 
     def get_forces_uncertainty(self, atoms: Atoms | None = None, non_conservative: bool | None = None) -> np.ndarray:
         """upet's: the standard deviation [n, 3] (eV/Å) of :meth:`get_forces_ensemble`."""
@@ -498,12 +519,16 @@ class TCPETCalculator(Calculator):
     ) -> np.ndarray:
         """upet's: the stress of each LLPR ensemble member on ``atoms`` (3D-periodic; default:
         the last calculated), eV/Å³ in ASE's sign: [6, K] in Voigt order, or [3, 3, K] with
-        ``voigt=False``. Regimes as :meth:`get_forces_ensemble` (the conservative one: the
-        strain derivatives of the energy ensemble over the volume)."""
-        self._ensemble_regime("stress", non_conservative)
+        ``voigt=False``. Regimes as :meth:`get_forces_ensemble`: the conservative one the
+        strain derivatives of the energy ensemble over the volume; the non-conservative one
+        metatrain's ensemble of the direct stress head, as upet reads it (centred on the
+        direct stress whatever the calculator reads; its spread, metatrain's, is neither
+        divided by the volume nor symmetrized)."""
+        direct = self._ensemble_regime("stress", non_conservative)
         atoms = self._resolve(atoms)
         self.check_atoms(atoms, ["stress"])
-        members = self._compute([atoms], ("energy", "stress_ensemble"))[0]["stress_ensemble"]
+        name = "non_conservative_stress_ensemble" if direct else "stress_ensemble"
+        members = self._compute([atoms], ("energy", name))[0][name]
         return _uncertainty.voigt(members) if voigt else members
 
     def get_stress_uncertainty(
@@ -513,17 +538,25 @@ class TCPETCalculator(Calculator):
         [3, 3] with ``voigt=False``."""
         return self.get_stress_ensemble(atoms, voigt, non_conservative).std(axis=-1)
 
-    def _ensemble_regime(self, quantity: str, non_conservative: bool | None) -> None:
-        """upet's rule for the ``quantity`` (``"forces"`` or ``"stress"``) ensemble: the direct
-        head's where the calculator reads that head or the call asks for it, else the
-        gradients of the energy ensemble; ``NotImplementedError`` where the model lacks it."""
+    def _ensemble_regime(self, quantity: str, non_conservative: bool | None) -> bool:
+        """upet's rule for the ``quantity`` (``"forces"`` or ``"stress"``) ensemble: whether it
+        is the direct head's (where the calculator reads that head or the call asks for it),
+        else the gradients of the energy ensemble; ``NotImplementedError`` where the model
+        lacks it, and for the conservative one on a calculator reading the direct head."""
         if non_conservative not in (None, True, False):
             raise ValueError(f"non_conservative is None, True or False, not {non_conservative!r}")
-        direct = self._direct_forces if quantity == "forces" else self._direct_stress
+        read = self._direct_forces if quantity == "forces" else self._direct_stress
         name = "force" if quantity == "forces" else "stress"
-        problem = _uncertainty.unavailable(name, direct or bool(non_conservative), self._llpr, self._direct_ensembles)
+        if read and non_conservative is False:
+            raise NotImplementedError(
+                f"the conservative {name} ensemble (non_conservative=False) needs a calculator computing conservative "
+                f"{quantity}; this one reads the direct {name} head (non_conservative={self.non_conservative!r})"
+            )
+        direct = read or bool(non_conservative)
+        problem = _uncertainty.unavailable(name, direct, self._llpr, self.heads)
         if problem is not None:
             raise NotImplementedError(problem)
+        return direct
 
     def _resolve(self, atoms: Atoms | None) -> Atoms:
         """``atoms``, or the last calculated structure (upet's default)."""

@@ -7,6 +7,7 @@ downloaded.
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
@@ -32,6 +33,77 @@ def random_checkpoint(shape: str = "tiny", seed: int = 0) -> Path:
     if not path.exists():
         torch.save(random_pet(shape, seed=seed).get_checkpoint(), path)
     return path
+
+
+def random_llpr_checkpoint(shape: str = "tiny", seed: int = 0, members: int = 8, direct: bool = True) -> Path:
+    """A saved :func:`random_llpr` checkpoint in the temporary folder (made once)."""
+    import tempfile
+
+    kind = "" if direct else "-energy-only"
+    path = Path(tempfile.gettempdir()) / f"ase-tcfp32-random-llpr-{shape}-{seed}-{members}{kind}.ckpt"
+    if not path.exists():
+        heads = None if direct else ("energy",)
+        partial = path.with_suffix(f".{os.getpid()}.part")  # whole or not at all, for concurrent test runs
+        torch.save(random_llpr(shape, seed=seed, members=members, heads=heads).get_checkpoint(), partial)
+        os.replace(partial, path)
+    return path
+
+
+def random_llpr(
+    shape: str = "tiny", *, seed: int = 0, members: int = 8, heads=None, structures: int = 8
+) -> torch.nn.Module:
+    """:func:`random_pet` (water's elements) wrapped in metatrain's ``LLPRUncertaintyModel``,
+    with ensembles of ``members`` members of each of ``heads`` (default all three: the
+    energy and the direct force and stress heads), made by metatrain's own methods as its
+    LLPR trainer does: the covariance of the last-layer features over ``structures`` small
+    water boxes whose targets are the model's own predictions plus noise (0.01 eV, 0.05 eV/Å,
+    0.001 eV/Å³), its Cholesky factor (regularized by 0.01: a few boxes do not span the
+    features), the calibration (squared residuals) and the ensembles' weights. Float32,
+    like the releases. For tests and examples of the LLPR outputs: its numbers are not
+    physical. About a second on a CPU."""
+    import_dependencies()
+    from metatensor.torch import Labels, TensorBlock, TensorMap
+    from metatomic.torch import ModelOutput, systems_to_torch
+    from metatrain.llpr import LLPRUncertaintyModel
+    from metatrain.utils.architectures import get_default_hypers
+    from metatrain.utils.data import Dataset
+    from metatrain.utils.neighbor_lists import get_requested_neighbor_lists, get_system_with_neighbor_lists
+
+    from .validation import water_box
+
+    pet = random_pet(shape, seed=seed, atomic_types=[1, 8]).eval()
+    boxes = [water_box(2 + k % 3, seed=seed + k) for k in range(structures)]
+    lists = get_requested_neighbor_lists(pet)
+    systems = [get_system_with_neighbor_lists(system, lists) for system in systems_to_torch(boxes)]
+    targets = pet.dataset_info.targets
+    with torch.no_grad():
+        predicted = pet(
+            systems, {name: ModelOutput(sample_kind=target.sample_kind) for name, target in targets.items()}
+        )
+    noise = {"energy": 0.01, "non_conservative_force": 0.05, "non_conservative_stress": 0.001}
+    generator = torch.Generator().manual_seed(seed)
+    data = {"system": systems_to_torch(boxes, dtype=torch.float64)}
+    for name, tensor in predicted.items():
+        block = tensor.block()
+        values = block.values.double() + noise[name] * torch.randn(block.values.shape, generator=generator).double()
+        data[name] = []
+        for k in range(len(boxes)):
+            rows = block.samples.column("system") == k
+            samples = Labels(block.samples.names, block.samples.values[rows])
+            data[name].append(
+                TensorMap(tensor.keys, [TensorBlock(values[rows], samples, block.components, block.properties)])
+            )
+    dataset = Dataset.from_dict(data)
+    hypers = get_default_hypers("llpr")["model"]
+    hypers["num_ensemble_members"] = {name: members for name in (heads or targets)}
+    model = LLPRUncertaintyModel(hypers, pet.dataset_info)
+    model.set_wrapped_model(pet)
+    model = model.to(torch.float64)
+    model.compute_covariance([dataset], 2, is_distributed=False)
+    model.compute_cholesky_decomposition(regularizer=0.01)
+    model.calibrate([dataset], 2, is_distributed=False, calibration_method="squared_residuals")
+    model.generate_ensemble()
+    return model.to(torch.float32)
 
 
 def random_pet(shape: str = "tiny", *, seed: int = 0, atomic_types=tuple(range(1, 103))) -> torch.nn.Module:
