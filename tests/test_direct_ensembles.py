@@ -101,7 +101,9 @@ def test_the_direct_ensembles_are_metatrains(checkpoint, atoms, reference, engin
     reads them: in float64 to its rounding, in FP32 to FP32's error; each force member has
     no net force; the members' mean is the direct prediction; upet's shapes."""
     assert reference["forces"].shape == (len(atoms), 3, K) and reference["stress"].shape == (3, 3, K)
-    for dtype, bound, rounding in (("float64", 1e-10, 1e-12), ("float32", FP32, 1e-6)):
+    # rounding: the members' mean against the forces of another call (a periodic system's
+    # get_forces also asks the direct stress: other FP32 operations, as many units apart)
+    for dtype, bound, rounding in (("float64", 1e-10, 1e-12), ("float32", FP32, 8e-6)):
         calc = calculator(checkpoint, dtype=dtype, engine=engine, non_conservative=True)
         forces, stress = calc.get_forces_ensemble(atoms), calc.get_stress_ensemble(atoms, voigt=False)
         assert forces.shape == (len(atoms), 3, K) and stress.shape == (3, 3, K)
