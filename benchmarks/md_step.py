@@ -41,6 +41,7 @@ from ase.md.verlet import VelocityVerlet
 from ase.units import fs
 
 from ase_tcfp32 import TCPETCalculator, _epilogues
+from ase_tcfp32._lean import LeanPET
 from ase_tcfp32.precision import FP32_ACCURATE
 from ase_tcfp32.testing import random_checkpoint
 from ase_tcfp32.validation import water_box
@@ -95,7 +96,7 @@ def time_steps(
         "first_s": times[0],
         "peak_GB": torch.cuda.max_memory_allocated() / 1e9,
     }
-    if calc._engine is not None:  # the lean engines' neighbor table and Verlet list
+    if isinstance(calc._engine, LeanPET):  # the lean engines' neighbor table and Verlet list
         row.update(
             table_width=calc._engine.width,
             widenings=calc._engine.widenings,
