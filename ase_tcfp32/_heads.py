@@ -198,6 +198,15 @@ def table_predictions(
     return [prediction for prediction, _ in out], [found for _, found in out]
 
 
+def per_structure_centred(values: torch.Tensor, system: torch.Tensor, count: int) -> torch.Tensor:
+    """``values`` [N, ...] of atoms in structures ``system`` [N] (of ``count``), less each
+    structure's mean over its atoms (a force's net force); no host synchronisation, so it
+    runs in a CUDA graph."""
+    atoms = values.new_zeros(count).index_add_(0, system, values.new_ones(values.shape[0])).clamp_min(1)
+    sums = values.new_zeros((count, *values.shape[1:])).index_add_(0, system, values)
+    return values - (sums / atoms.reshape(-1, *[1] * (values.dim() - 1))).index_select(0, system)
+
+
 def direct_output(quantity: str, term: torch.Tensor, cells: torch.Tensor, system: torch.Tensor) -> dict:
     """The direct head ``quantity``'s result from its scaled per-atom predictions ``term``
     of atoms in structures ``system`` [N] of ``cells`` [S, 3, 3]: ``non_conservative_forces``
@@ -206,9 +215,7 @@ def direct_output(quantity: str, term: torch.Tensor, cells: torch.Tensor, system
     and summed per structure (metatrain's rule; a zero volume counts as infinite)."""
     count = cells.shape[0]
     if quantity == FORCE:
-        atoms = term.new_zeros(count).index_add_(0, system, torch.ones_like(term[:, 0])).clamp_min(1)[:, None]
-        mean = term.new_zeros(count, 3).index_add_(0, system, term) / atoms
-        return {"non_conservative_forces": term - mean.index_select(0, system)}
+        return {"non_conservative_forces": per_structure_centred(term, system, count)}
     cells = cells.to(term.dtype)  # the volumes as triple products: no solver (and no host sync) in a CUDA graph
     volumes = torch.abs((cells[:, 0] * torch.linalg.cross(cells[:, 1], cells[:, 2])).sum(-1))
     volumes = torch.where(volumes == 0, torch.inf, volumes)

@@ -35,7 +35,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from ._heads import COMPONENTS, ENERGY, FORCE, LLPR, STRESS, Heads
+from ._heads import COMPONENTS, ENERGY, FORCE, LLPR, STRESS, Heads, per_structure_centred
 from .layers import TCLinear
 
 DIRECT_ENSEMBLES = {"non_conservative_forces_ensemble": FORCE, "non_conservative_stress_ensemble": STRESS}
@@ -77,14 +77,6 @@ def ensemble_layer(backend: torch.nn.Module, name: str, weight: torch.Tensor, de
     if isinstance(last, TCLinear):
         return TCLinear.from_linear(layer, last.precision, last.emulate, last.check_accuracy, f"{name} ensemble")
     return layer
-
-
-def per_structure_centred(values: torch.Tensor, system: torch.Tensor, count: int) -> torch.Tensor:
-    """``values`` [N, ...] of atoms in structures ``system`` [N] (of ``count``), less each
-    structure's mean over its atoms (a force's net force)."""
-    sums = values.new_zeros((count, *values.shape[1:])).index_add_(0, system, values)
-    atoms = torch.bincount(system, minlength=count).clamp_min(1).to(values.dtype)
-    return values - (sums / atoms.reshape(-1, *[1] * (values.dim() - 1))).index_select(0, system)
 
 
 RANK_TOLERANCE = 1e-12
