@@ -67,6 +67,12 @@ def _composed(layer: torch.nn.Module, x: torch.Tensor, residual, activation, nor
     z = layer(x if norm is None else norm(x))
     if residual is not None:
         z = z + (residual.tensor().reshape(z.shape) if isinstance(residual, Embedding) else residual)
+    return _activated(z, activation)
+
+
+def _activated(z: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """``activation`` (None, ``"silu"`` or ``"swiglu"`` of metatrain's ``[v | g]``) of ``z``, as
+    the layers compute it unfused."""
     if activation == "silu":
         return torch.nn.functional.silu(z)
     return swiglu(z) if activation == "swiglu" else z
@@ -193,7 +199,7 @@ class _Pair(torch.autograd.Function):
         out = backend.fused(x, prepared, bias, inner, activation, keep=True)
         if out is None:
             z = first(x) if inner is None else first(x) + inner
-            h = torch.nn.functional.silu(z) if activation == "silu" else swiglu(z)
+            h = _activated(z, activation)
         else:
             (h, z), _ = out, watchdog.count_call(first, "forward")
         y = None if residual is None else backend.fused(h, second.prepared_weight(device), second.bias, residual)

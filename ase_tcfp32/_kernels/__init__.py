@@ -28,7 +28,7 @@ __all__ = [
 
 class GemmBackend(Protocol):
     """What :class:`ase_tcfp32.layers.TCLinear` asks of a GEMM backend (FP32 tensors). Our
-    kernels' backends also offer ``fused(x, prepared, bias, residual, activation, rms_eps)``,
+    kernels' backends also offer ``fused(x, prepared, bias, residual, activation, rms_eps, keep)``,
     the product with its neighbours in one kernel (:mod:`.epilogue`, :mod:`ase_tcfp32._epilogues`),
     or None where they would not run their kernel."""
 
