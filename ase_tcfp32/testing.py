@@ -27,24 +27,27 @@ PET_MAD_SHAPES = {
 
 def random_checkpoint(shape: str = "tiny", seed: int = 0) -> Path:
     """A saved :func:`random_pet` checkpoint in the temporary folder (made once)."""
-    import tempfile
-
-    path = Path(tempfile.gettempdir()) / f"ase-tcfp32-random-{shape}-{seed}.ckpt"
-    if not path.exists():
-        torch.save(random_pet(shape, seed=seed).get_checkpoint(), path)
-    return path
+    return _saved(f"random-{shape}-{seed}", lambda: random_pet(shape, seed=seed))
 
 
 def random_llpr_checkpoint(shape: str = "tiny", seed: int = 0, members: int = 8, direct: bool = True) -> Path:
     """A saved :func:`random_llpr` checkpoint in the temporary folder (made once)."""
+    heads = None if direct else ("energy",)
+    return _saved(
+        f"random-llpr-{shape}-{seed}-{members}{'' if direct else '-energy-only'}",
+        lambda: random_llpr(shape, seed=seed, members=members, heads=heads),
+    )
+
+
+def _saved(name: str, make) -> Path:
+    """``ase-tcfp32-<name>.ckpt`` in the temporary folder, the checkpoint of the model ``make()``
+    saved there the first time: written whole or not at all, for concurrent test runs."""
     import tempfile
 
-    kind = "" if direct else "-energy-only"
-    path = Path(tempfile.gettempdir()) / f"ase-tcfp32-random-llpr-{shape}-{seed}-{members}{kind}.ckpt"
+    path = Path(tempfile.gettempdir()) / f"ase-tcfp32-{name}.ckpt"
     if not path.exists():
-        heads = None if direct else ("energy",)
-        partial = path.with_suffix(f".{os.getpid()}.part")  # whole or not at all, for concurrent test runs
-        torch.save(random_llpr(shape, seed=seed, members=members, heads=heads).get_checkpoint(), partial)
+        partial = path.with_suffix(f".{os.getpid()}.part")
+        torch.save(make().get_checkpoint(), partial)
         os.replace(partial, path)
     return path
 
