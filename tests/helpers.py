@@ -93,3 +93,16 @@ def quiet_calculator(pet, **options):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return TCPETCalculator(copy.deepcopy(pet), **options)
+
+
+def assert_as_accurate_as_fp32(atoms, methods, exact, fp32, calc) -> None:
+    """Each calculator method of ``methods`` (e.g. ``"get_forces_ensemble"``) on ``atoms``
+    from ``calc`` no further from the float64 calculator ``exact``'s than 4 times the FP32
+    calculator ``fp32``'s distance (plus 1e-9: both can be exact)."""
+    reference = {method: getattr(exact, method)(atoms) for method in methods}
+    errors = {
+        name: {method: np.abs(getattr(c, method)(atoms) - reference[method]).max() for method in methods}
+        for name, c in (("fp32", fp32), ("calc", calc))
+    }
+    for method in methods:
+        assert errors["calc"][method] <= 4 * errors["fp32"][method] + 1e-9, (method, errors)

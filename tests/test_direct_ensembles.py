@@ -23,6 +23,7 @@ import pytest
 import torch
 from ase.calculators.calculator import PropertyNotImplementedError
 from ase.stress import voigt_6_to_full_3x3_stress
+from helpers import assert_as_accurate_as_fp32
 
 from ase_tcfp32 import TCPETCalculator
 from ase_tcfp32._heads import FORCE, STRESS
@@ -270,7 +271,6 @@ def test_the_direct_ensembles_on_tensor_cores_are_fp32_accurate(checkpoint):
     atoms = water_box(32, seed=2)
     methods = ("get_forces_ensemble", "get_forces_uncertainty", "get_stress_ensemble", "get_stress_uncertainty")
     exact = calculator(checkpoint, dtype="float64", device="cuda", non_conservative=True)
-    reference = {method: getattr(exact, method)(atoms) for method in methods}
     fp32 = calculator(checkpoint, device="cuda", non_conservative=True)
     default = TCPETCalculator(
         checkpoint, device="cuda", progress=False, uncertainty_threshold=None, non_conservative=True
@@ -278,11 +278,6 @@ def test_the_direct_ensembles_on_tensor_cores_are_fp32_accurate(checkpoint):
     moved = atoms.copy()
     moved.calc = default
     before = moved.get_forces()  # a step recorded as a CUDA graph
-    errors = {
-        name: {method: np.abs(getattr(calc, method)(atoms) - reference[method]).max() for method in methods}
-        for name, calc in (("fp32", fp32), ("default", default))
-    }
-    for method in methods:
-        assert errors["default"][method] <= 4 * errors["fp32"][method] + 1e-9, (method, errors)
+    assert_as_accurate_as_fp32(atoms, methods, exact, fp32, default)
     moved.positions[0, 0] += 1e-3
     assert close(moved.get_forces(), before, 1e-2) and close(moved.get_forces(), fp32.get_forces(moved), 1e-4)

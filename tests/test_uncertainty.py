@@ -15,7 +15,7 @@ import ase.build
 import numpy as np
 import pytest
 from ase.calculators.calculator import PropertyNotImplementedError
-from helpers import quiet_calculator
+from helpers import assert_as_accurate_as_fp32, quiet_calculator
 
 from ase_tcfp32 import TCPETCalculator
 from ase_tcfp32._uncertainty import voigt
@@ -238,18 +238,12 @@ def test_the_ensembles_on_tensor_cores_are_fp32_accurate():
     replayed from the graph after the ensemble calls are the FP32 calculator's."""
     atoms = water_box(32, seed=2)
     exact = demo(dtype="float64", device="cuda")
-    reference = {method: getattr(exact, method)(atoms) for method in METHODS}
     fp32 = demo(device="cuda")
     default = TCPETCalculator("pet-demo-chgnet", device="cuda", progress=False, uncertainty_threshold=None)
     moved = atoms.copy()
     moved.calc = default
     moved.get_forces()  # a forces step recorded as a CUDA graph
-    errors = {
-        name: {method: np.abs(getattr(calc, method)(atoms) - reference[method]).max() for method in METHODS}
-        for name, calc in (("fp32", fp32), ("default", default))
-    }
-    for method in METHODS:
-        assert errors["default"][method] <= 4 * errors["fp32"][method] + 1e-9, (method, errors)
+    assert_as_accurate_as_fp32(atoms, METHODS, exact, fp32, default)
     moved.positions[0, 0] += 1e-3
     assert close(moved.get_forces(), fp32.get_forces(moved), 1e-4)
 
