@@ -42,7 +42,7 @@ from ._heads import ENERGY, FORCE, LLPR, STRESS, Heads, direct_output, table_pre
 from ._inputs import Kept, neighbor_table, packed_rows
 from ._kernels.context import cutoff_kernel_usable
 from ._neighbors import PairTerms, Structures, VerletList, pair_vectors, round_up, virials
-from ._results import per_structure
+from ._results import per_structure, to_host
 from ._uncertainty import LLPR_OUTPUTS, Uncertainty, features_for
 
 _FAR = 1.0e6
@@ -139,6 +139,7 @@ class LeanPET:
         self.neighbors = VerletList(float(self.backend.cutoff), device, self.dtype)
         self.cuda_graphs = False  # set per system, with the skin
         self.system = torch.zeros(0, dtype=torch.long, device=device)  # [N] the structure of each atom
+        self.numbers, self.unweighted = self.system, self.system.double()  # [N] atomic numbers, ones (set per system)
         self.columns = torch.arange(0, device=device)  # [J]: the neighbor table's columns
         self.packed, self.rows, self.pieces = packed, 0, pieces  # PET on packed rows (ase_tcfp32._packed), in this many
         self.widenings = 0
@@ -182,6 +183,8 @@ class LeanPET:
         if self.neighbors.new_system(batch):
             sizes = torch.tensor(batch.sizes)
             self.system = torch.repeat_interleave(torch.arange(len(sizes)), sizes).to(self.device)
+            self.numbers = torch.from_numpy(batch.numbers).to(self.device, torch.long)  # copied once per system
+            self.unweighted = torch.ones(len(batch.numbers), dtype=torch.float64, device=self.device)
             pieces = self.pieces is not None and len(batch.numbers) > self.pieces.above  # no host reads in a graph
             self.cuda_graphs = len(batch.numbers) <= self.graph_atoms and not pieces
             self.neighbors.skin = self.skins[0] if self.cuda_graphs else self.skins[1]
@@ -199,8 +202,7 @@ class LeanPET:
         self.columns, self._graphs = torch.arange(width, device=self.device), {}
 
     def _set_rows(self, pairs: int) -> None:
-        """Packed rows for ``pairs`` kept pairs and :data:`ROW_SPARE` more, from the next
-        evaluation on (not the recorded graphs')."""
+        """Rows for ``pairs`` kept pairs and :data:`ROW_SPARE` more, from the next evaluation on."""
         self.rows, self._graphs = round_up(int(pairs * (1 + ROW_SPARE)) + 64, 256), {}
 
     # ----- one evaluation on tensors ----------------------------------------------------
@@ -345,8 +347,9 @@ class LeanPET:
         self._use(batch)
         positions = torch.from_numpy(batch.positions).to(self.device, self.dtype)
         cells = torch.from_numpy(batch.cells).to(self.device, self.dtype)
-        numbers, system = torch.from_numpy(batch.numbers).to(self.device, torch.long), self.system
-        weights = torch.from_numpy(np.concatenate(weights or [np.ones(len(numbers))])).to(self.device, torch.float64)
+        numbers, system = self.numbers, self.system
+        weights = self.unweighted if weights is None else torch.from_numpy(np.concatenate(weights))
+        weights = weights.to(self.device, torch.float64)  # the ones: as they are
         if self.width == 0:  # first call: size the table (or the packed rows) from the neighbor counts
             if self.packed:
                 counts = self.neighbor_counts(structures)
@@ -357,16 +360,16 @@ class LeanPET:
                 with torch.enable_grad():  # the step's grad mode: with compile=True, no second compilation
                     most = int(self.neighbor_table(pair_vectors(positions, self.pairs), numbers, self.columns)[1])
             self._set_width(most + MARGIN)
-        out = self._evaluate(positions, cells, numbers, system, weights, flags)
-        most, total = out["sizes"].tolist()
+        host = to_host(self._evaluate(positions, cells, numbers, system, weights, flags))
+        most, total = map(int, host.pop("sizes"))
         if most > self.width or total > self.rows:  # an atom outgrew the table, or the pairs the rows: redo the step
             if most > self.width:
                 self._set_width(most + MARGIN)
                 self.widenings += 1
             if total > self.rows:
                 self._set_rows(total)
-            out = self._evaluate(positions, cells, numbers, system, weights, flags)  # same counts, any sizes
-        host = {key: value.double().cpu().numpy() for key, value in out.items() if key != "sizes"}
+            host = to_host(self._evaluate(positions, cells, numbers, system, weights, flags))  # same counts, any sizes
+            host.pop("sizes")
         return per_structure(host, structures)
 
     def neighbor_counts(self, structures: list[Atoms]) -> torch.Tensor:

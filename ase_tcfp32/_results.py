@@ -3,12 +3,14 @@
 The lean engine computes all structures of a call at once: per-atom quantities for all
 their atoms one after another, per-structure ones in a row each. :func:`per_structure`
 splits them into one dict per structure, in ASE's conventions (float64 numpy arrays, the
-strain derivatives over each 3D-periodic structure's volume as stress).
+strain derivatives over each 3D-periodic structure's volume as stress); :func:`to_host`
+brings them from the device in one transfer.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 from ase import Atoms
 
 PER_ATOM = (
@@ -45,3 +47,15 @@ def per_structure(host: dict[str, np.ndarray], structures: list[Atoms]) -> list[
             result.update({key: host[key][k] for key in DIRECT_STRESSES if key in host})
         results.append(result)
     return results
+
+
+def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """``tensors`` (any shapes and types, one device) as float64 numpy arrays of the same
+    shapes, through one device-to-host copy: the host waits for the device once per call,
+    not once per result (integers are exact up to 2^53)."""
+    flat = torch.cat([tensor.detach().reshape(-1).to(torch.float64) for tensor in tensors.values()]).cpu().numpy()
+    ends = np.cumsum([tensor.numel() for tensor in tensors.values()])[:-1]
+    return {
+        name: part.reshape(tensor.shape)
+        for (name, tensor), part in zip(tensors.items(), np.split(flat, ends), strict=True)
+    }

@@ -250,6 +250,7 @@ class TCPETCalculator(LLPRMethods, Calculator):
         self.attention = "tensor cores, TF32x3 (ase_tcfp32._attention)" if ours else "torch SDPA"
         self.low_memory, self.compiled = low_memory, compile
         self.atomic_types = frozenset(int(t) for t in self.pet.atomic_types)
+        self._checked_numbers = np.zeros(0, dtype=int)  # the last atomic numbers found known
         self.cutoff = float(self.pet.cutoff)
         self.engine = engine
         self._engine, self.engine_used, self.engine_reason = make_engine(
@@ -313,6 +314,14 @@ class TCPETCalculator(LLPRMethods, Calculator):
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
 
+    def check_state(self, atoms: Atoms, tol: float = 1e-15) -> list[str]:
+        """What changed since the last calculation (ASE's answer), answered at once when
+        nothing did: ASE's MD drivers ask for the cached forces twice per step, and its
+        tolerant comparison of every array took 0.4 ms at 17,280 atoms (0.09 ms at 192)."""
+        if self.atoms is not None and _identical(self.atoms, atoms):
+            return []
+        return super().check_state(atoms, tol)
+
     def check_atoms(self, atoms: Atoms, properties: list[str]) -> None:
         """Raise a clear error for input the model cannot evaluate."""
         if len(atoms) == 0:
@@ -321,10 +330,12 @@ class TCPETCalculator(LLPRMethods, Calculator):
             raise ValueError("atoms.positions contain NaN or infinite values")
         if not np.all(np.isfinite(atoms.cell.array)):
             raise ValueError("atoms.cell contains NaN or infinite values")
-        unknown = sorted(set(atoms.numbers.tolist()) - self.atomic_types)
-        if unknown:
-            names = ", ".join(chemical_symbols[z] if 0 < z < len(chemical_symbols) else str(z) for z in unknown)
-            raise ValueError(f"the model does not know element(s) {names}")
+        if not np.array_equal(atoms.numbers, self._checked_numbers):  # a set of 17,280 numbers: ~0.2 ms per call
+            unknown = sorted(set(atoms.numbers.tolist()) - self.atomic_types)
+            if unknown:
+                names = ", ".join(chemical_symbols[z] if 0 < z < len(chemical_symbols) else str(z) for z in unknown)
+                raise ValueError(f"the model does not know element(s) {names}")
+            self._checked_numbers = atoms.numbers.copy()
         if "stress" in properties and not atoms.pbc.all():
             raise PropertyNotImplementedError(
                 f"stress needs a system periodic in all three directions (pbc={atoms.pbc.tolist()})"
@@ -496,3 +507,14 @@ class TCPETCalculator(LLPRMethods, Calculator):
             self.check_atoms(atoms, list(properties))
         super().calculate(atoms, properties, system_changes)
         self.results = self._checked([self.atoms], properties)[0]
+
+
+def _identical(old: Atoms, new: Atoms) -> bool:
+    """Whether ``new`` equals ``old`` exactly in all that ASE's ``compare_atoms`` compares
+    (cell, periodicity and the arrays among ``all_changes``): then it finds no change."""
+    if not (np.array_equal(old.cell.array, new.cell.array) and np.array_equal(old.pbc, new.pbc)):
+        return False
+    names = set(all_changes) & set(old.arrays)
+    return names == set(all_changes) & set(new.arrays) and all(
+        np.array_equal(old.arrays[name], new.arrays[name]) for name in names
+    )

@@ -120,6 +120,50 @@ def test_results_are_cached_between_property_requests(tiny_ckpt, water):
     assert calc.results["forces"] is before["forces"]  # no second model call
 
 
+@pytest.mark.parametrize(
+    "change",
+    ["none", "positions", "tiny move", "cell", "pbc", "numbers", "charges", "magmoms", "momenta", "more atoms"],
+)
+def test_check_state_answers_as_ase_does(tiny_ckpt, water, change):
+    """The fast answer for an unchanged system (exact equality) never differs from ASE's."""
+    from ase.calculators.calculator import compare_atoms
+
+    calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu")
+    water.calc = calc
+    water.get_potential_energy()
+    moved = water.copy()
+    if change == "positions":
+        moved.positions[4, 2] += 1e-3
+    elif change == "tiny move":  # below ASE's tolerance: no change for either
+        moved.positions[4, 2] += 1e-16
+    elif change == "cell":
+        moved.cell[0, 0] += 0.01
+    elif change == "pbc":
+        moved.pbc = [True, True, False]
+    elif change == "numbers":
+        moved.numbers[0] = 78
+    elif change == "charges":
+        moved.set_initial_charges(np.arange(len(moved), dtype=float))
+    elif change == "magmoms":
+        moved.set_initial_magnetic_moments(np.ones(len(moved)))
+    elif change == "momenta":  # not a system change for ASE
+        moved.set_momenta(np.ones((len(moved), 3)))
+    elif change == "more atoms":
+        moved += Atoms("H", positions=[[0.5, 0.5, 0.5]])
+    assert sorted(calc.check_state(moved)) == sorted(compare_atoms(calc.atoms, moved, tol=1e-15))
+    assert (calc.check_state(moved) == []) == (change in ("none", "tiny move", "momenta"))
+
+
+def test_elements_are_checked_again_when_they_change(shipped):
+    calc = TCPETCalculator(shipped("pet-v16"), precision="fp32", device="cpu")
+    atoms = Atoms("CH4", positions=[[0, 0, 0], [1, 0, 0], [0, 1, 0], [0, 0, 1], [-1, 0, 0]])
+    atoms.calc = calc
+    atoms.get_potential_energy()
+    atoms.numbers[1] = 92
+    with pytest.raises(ValueError, match="U"):
+        atoms.get_potential_energy()
+
+
 # --- bad input: a clear exception before any model work -------------------------
 
 

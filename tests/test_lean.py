@@ -152,6 +152,37 @@ def test_lean_handles_atoms_without_neighbors():
         assert np.abs(ours.get_forces() - ref.get_forces()).max() < 1e-5
 
 
+def test_one_engine_follows_changing_systems(tiny_ckpt, water, pt_bulk, ethanol):
+    """One calculator on water, ethanol, Pt, then water with Pt atoms: each result is a
+    fresh calculator's (the atomic numbers and the weights are kept on the device per system)."""
+    calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine="lean")
+    platinated = water.copy()
+    platinated.numbers[:3] = 78
+    for atoms in (water, ethanol, pt_bulk, platinated, water):
+        ours, fresh = atoms.copy(), atoms.copy()
+        ours.calc = calc
+        fresh.calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu", engine="lean")
+        assert ours.get_potential_energy() == pytest.approx(fresh.get_potential_energy(), rel=1e-6, abs=1e-6)
+        assert np.abs(ours.get_forces() - fresh.get_forces()).max() <= 1e-6
+
+
+def test_results_come_to_the_host_with_their_shapes_and_values():
+    from ase_tcfp32._results import to_host
+
+    tensors = {
+        "energy": torch.tensor([1.5, -2.25], dtype=torch.float64),
+        "forces": torch.arange(12, dtype=torch.float32).reshape(4, 3) / 3,
+        "sizes": torch.tensor([7, 2**40 + 1]),
+        "virial": torch.zeros(2, 3, 3),
+    }
+    host = to_host(tensors)
+    assert list(host) == list(tensors)
+    for name, tensor in tensors.items():
+        assert host[name].dtype == np.float64 and host[name].shape == tuple(tensor.shape)
+        np.testing.assert_array_equal(host[name], tensor.double().numpy())
+    assert int(host["sizes"][1]) == 2**40 + 1
+
+
 @pytest.mark.parametrize("engine", ["lean", "metatomic"])
 def test_a_batch_gives_what_single_calls_give(tiny_ckpt, water, engine):
     """32 beads in one call: per structure the energies, forces and stresses of 32 single
