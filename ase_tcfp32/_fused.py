@@ -17,6 +17,11 @@ times 2 d_pet. :func:`swap_backends` turns a model's ``PETBackend`` into a
 ``FusedPETBackend`` whose featurizer runs that step through
 :mod:`ase_tcfp32._kernels.combination`: one pass forward, one backward.
 
+Where one tensor feeds both a residual addition and an RMS norm (PET-MAD's PreLN
+transformer layers, twice per layer), :func:`pre_norm` returns both from one function, so
+that the backward pass adds the residual's gradient to the norm's in the norm's kernel
+(:mod:`ase_tcfp32._kernels.rms_norm`) instead of in one more pass of autograd's.
+
 The calculator swaps them where it runs PET's attention on tensor cores
 (:func:`ase_tcfp32._attention.on_tensor_cores`): ``fp32`` and ``tf32`` keep metatrain's
 code. Inside ``torch.compile`` and on CPU tensors (Triton's interpreter aside) both are
@@ -121,6 +126,51 @@ def combine_messages(o: torch.Tensor, reverse: torch.Tensor, norm: torch.nn.Laye
         reversed_messages = o.reshape(-1, o.shape[-1])[reverse.reshape(-1)].reshape(o.shape)
         return norm(torch.cat([o, reversed_messages], dim=-1))
     return _CombinationFunction.apply(o.contiguous(), reverse.contiguous(), norm.weight, norm.bias, norm.eps)
+
+
+def _norm_kernels():
+    """:mod:`ase_tcfp32._kernels.rms_norm`, imported on first use."""
+    from ._kernels import rms_norm
+
+    return rms_norm
+
+
+class _PreNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.set_materialize_grads(False)
+        y, rstd = _norm_kernels().forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return x, y  # x as it is: autograd hands its gradient to backward, not to an addition of its own
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_x, grad_y):
+        x, weight, rstd = ctx.saved_tensors
+        if grad_y is None:
+            return grad_x, None, None
+        return _norm_kernels().backward(x, weight, rstd, grad_y, grad_x), None, None
+
+
+def pre_norm(x: torch.Tensor, norm: torch.nn.Module) -> tuple:
+    """``(residual, tokens, norm_left)`` for a layer that reads ``norm(x)`` next to a residual
+    addition of ``x`` [..., d]: with gradients through a frozen RMS norm over d, ``x`` and
+    ``norm(x)`` from :class:`_PreNormFunction` (one backward kernel for both uses) and no
+    norm left; otherwise ``x``, ``x`` and ``norm`` (the layer applies it, or folds it into
+    its GEMM: :func:`ase_tcfp32._epilogues.linear`)."""
+    if not (
+        torch.is_grad_enabled()
+        and x.requires_grad
+        and _on_kernels(x)
+        and isinstance(norm, torch.nn.RMSNorm)
+        and tuple(norm.normalized_shape) == (x.shape[-1],)
+        and norm.weight is not None
+        and not norm.weight.requires_grad
+    ):
+        return x, x, norm
+    eps = torch.finfo(x.dtype).eps if norm.eps is None else norm.eps
+    residual, tokens = _PreNormFunction.apply(x.reshape(-1, x.shape[-1]).contiguous(), norm.weight, eps)
+    return residual.reshape(x.shape), tokens.reshape(x.shape), None
 
 
 def _feedforward_featurization_impl(self, inputs: dict, use_manual_attention: bool) -> tuple:

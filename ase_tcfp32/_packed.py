@@ -32,7 +32,7 @@ import torch
 from ._attention import tc_attention_packed
 from ._epilogues import combination, feed_forward, linear
 from ._folded import compress
-from ._fused import combine_messages
+from ._fused import combine_messages, pre_norm
 from ._heads import readout
 from ._swapping import Recomputed
 
@@ -69,14 +69,19 @@ def _inner(layer: torch.nn.Module) -> torch.nn.Module:
 
 
 def _attention(
-    block: torch.nn.Module, edges: torch.Tensor, nodes: torch.Tensor, factors: torch.Tensor, sequences, norm=None
+    block: torch.nn.Module,
+    edges: torch.Tensor,
+    nodes: torch.Tensor,
+    factors: torch.Tensor,
+    sequences,
+    norms=(None, None),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """metatrain's ``AttentionBlock`` up to its output projection, on the edge tokens [R, d]
-    and center tokens [N, d] (``norm`` applied to both first), the edges' cutoff ``factors``
+    and center tokens [N, d] (``norms`` applied to each first), the edges' cutoff ``factors``
     [R] weighting them as keys (the center tokens': 1)."""
     scale = 1.0 / (block.head_dim**0.5 * block.temperature)
     bias = torch.log(torch.clamp(factors, block.epsilon))
-    qkv, center_qkv = (linear(block.input_linear, tokens, norm=norm) for tokens in (edges, nodes))
+    qkv, center_qkv = (linear(block.input_linear, tokens, norm=norm) for tokens, norm in zip((edges, nodes), norms))
     return tc_attention_packed(qkv, center_qkv, bias, sequences, block.num_heads, scale)
 
 
@@ -86,11 +91,13 @@ def _transformer_layer(
     """metatrain's ``TransformerLayer`` (PreLN or PostLN) on packed rows: its token
     ``cat`` and ``split`` become two tensors that only the attention reads together."""
     center, block = layer.center_contraction(nodes), layer.attention
-    if layer.transformer_type == "PreLN":
-        out, center_out = _attention(block, edges, center, factors, sequences, layer.norm_attention)
-        edges = linear(block.output_linear, out, residual=edges)
+    if layer.transformer_type == "PreLN":  # x + f(norm(x)): x and norm(x) from one function (_fused.pre_norm)
+        residual, tokens, norm = pre_norm(edges, layer.norm_attention)
+        out, center_out = _attention(block, tokens, center, factors, sequences, (norm, layer.norm_attention))
+        edges = linear(block.output_linear, out, residual=residual)
         new_center = block.output_linear(center_out)
-        edges = feed_forward(layer.mlp, edges, residual=edges, norm=layer.norm_mlp)
+        residual, tokens, norm = pre_norm(edges, layer.norm_mlp)
+        edges = feed_forward(layer.mlp, tokens, residual=residual, norm=norm)
     else:
         out, center_out = _attention(block, edges, center, factors, sequences)
         edges = layer.norm_attention(linear(block.output_linear, out, residual=edges))
@@ -99,7 +106,8 @@ def _transformer_layer(
         new_center = layer.norm_mlp(feed_forward(layer.mlp, new_center, residual=new_center))
     if layer.expanded_node_features:
         nodes = linear(layer.center_expansion, new_center, residual=nodes)
-        return feed_forward(layer.center_mlp, nodes, residual=nodes, norm=layer.norm_center_features), edges
+        residual, tokens, norm = pre_norm(nodes, layer.norm_center_features)
+        return feed_forward(layer.center_mlp, tokens, residual=residual, norm=norm), edges
     return new_center, edges
 
 

@@ -81,6 +81,47 @@ def check_combination(device: str) -> None:
         assert ((do.double() - do64).abs() <= 2 * depth * u * size[..., None]).all(), (atoms, slots, width)
 
 
+def check_pre_norm(device: str) -> None:
+    """``ase_tcfp32._fused.pre_norm`` on ``device`` against FP64: the normed rows to a few
+    roundings of their d-term sums of squares, the gradient of x (through the norm and the
+    residual together, through either alone) to those of the norm's gradient."""
+    import math
+
+    from ase_tcfp32._fused import pre_norm
+
+    g = torch.Generator(device=device).manual_seed(0)
+    u = 2.0**-24
+    for rows, width, eps in [(1, 16, None), (37, 24, 1e-5), (130, 256, 1e-6), (5, 1024, None), (3, 384, 1e-5)]:
+        norm = torch.nn.RMSNorm(width, eps=eps, device=device).requires_grad_(False)
+        norm.weight.copy_(torch.randn(width, generator=g, device=device))
+        x = (torch.randn(rows, width, generator=g, device=device) * 3 + 1).requires_grad_()
+        grad_r, grad_y = (torch.randn(rows, width, generator=g, device=device) for _ in range(2))
+        residual, tokens, left = pre_norm(x, norm)
+        assert left is None and torch.equal(residual, x)
+        x64 = x.detach().double().requires_grad_()
+        e = torch.finfo(torch.float32).eps if eps is None else eps
+        exact = torch.nn.functional.rms_norm(x64, (width,), norm.weight.double(), e)
+        depth = math.log2(width) + 8
+        rstd = 1 / torch.sqrt((x64.detach() ** 2).mean(-1, keepdim=True) + e)
+        assert ((tokens.double() - exact).abs() <= depth * u * (exact.abs() + rstd * x64.detach().abs())).all()
+        gw = (grad_y.double() * norm.weight.double()).abs()
+        size = rstd * gw + x64.detach().abs() * rstd**3 * (gw * x64.detach().abs()).mean(-1, keepdim=True)
+        for weights in [(1, 1), (0, 1), (1, 0)]:
+            used = [t * w for t, w in zip((residual, tokens), weights) if w]
+            grads = [grad for grad, w in zip((grad_r, grad_y), weights) if w]
+            (dx,) = torch.autograd.grad(used, x, grads, retain_graph=True)
+            expected = (grad_r.double() if weights[0] else 0) + (
+                torch.autograd.grad(exact, x64, grad_y.double(), retain_graph=True)[0] if weights[1] else 0
+            )
+            bound = depth * u * (size * weights[1] + grad_r.double().abs() * weights[0])
+            assert ((dx.double() - expected).abs() <= bound).all(), (rows, width, weights)
+    x = torch.randn(4, 16, device=device)
+    layer = torch.nn.LayerNorm(16, device=device).requires_grad_(False)
+    for tensor, norm in [(x, torch.nn.RMSNorm(16, device=device)), (x.requires_grad_(), layer)]:
+        residual, tokens, left = pre_norm(tensor, norm)  # no gradient asked, or not an RMS norm: the layer's to apply
+        assert residual is tensor and tokens is tensor and left is norm
+
+
 def quiet_calculator(pet, **options):
     """A CPU FP32 ``TCPETCalculator`` on a copy of ``pet`` (its notes silenced), ``options``
     overriding those defaults."""

@@ -185,3 +185,11 @@ def test_message_combination_matches_fp64():
     from helpers import check_combination
 
     check_combination("cuda")
+
+
+@pytest.mark.gpu
+def test_pre_norm_matches_fp64():
+    """The pre-norm kernels on the GPU against FP64 (``helpers.check_pre_norm``)."""
+    from helpers import check_pre_norm
+
+    check_pre_norm("cuda")

@@ -328,6 +328,47 @@ def test_message_combination_kernels_in_the_triton_interpreter():
     interpret(COMBINATION_SCRIPT, "interpreter combination ok")
 
 
+PRE_NORM_SCRIPT = textwrap.dedent(
+    f"""
+    import sys
+    sys.path.insert(0, {os.path.dirname(__file__)!r})
+    from helpers import check_pre_norm
+
+    check_pre_norm("cpu")
+
+    # the demo PET on packed rows (lean engine): the same energy, forces and stress with the
+    # transformer layers' norms in pre_norm's kernels as with the norms one by one
+    import numpy as np
+    import torch
+    from ase_tcfp32 import _packed
+    from ase_tcfp32._engines import PROPERTIES
+    from ase_tcfp32._lean import LeanPET
+    from ase_tcfp32.models import load_pet
+    from ase_tcfp32.validation import water_box
+
+    atoms = water_box(8)
+    atoms.rattle(0.05, seed=1)
+    lean = LeanPET(load_pet("pet-demo-chgnet", "latest"), torch.device("cpu"), 2.0, 0, None, packed=True)
+    lean._solver_kernel = None
+    fused_calls, pre_norm = [], _packed.pre_norm
+    _packed.pre_norm = lambda x, norm: fused_calls.append(1) or pre_norm(x, norm)
+    fused = lean.compute([atoms], PROPERTIES)[0]
+    assert len(fused_calls) == 12  # 2 GNN layers x 2 transformer layers x (attention, feed-forward, node update)
+    _packed.pre_norm = lambda x, norm: (x, x, norm)
+    plain = lean.compute([atoms], PROPERTIES)[0]
+    assert abs(fused["energy"] - plain["energy"]) < 16 * len(atoms) * 2.0**-24 * abs(plain["energy"])
+    assert np.abs(fused["forces"] - plain["forces"]).max() < 1e-5 * np.abs(plain["forces"]).max()
+    assert np.abs(fused["stress"] - plain["stress"]).max() < 1e-5 * np.abs(plain["stress"]).max()
+    print("interpreter pre-norm ok")
+    """
+)
+
+
+def test_pre_norm_kernels_in_the_triton_interpreter():
+    """RMSNorm(x) next to x's residual use, and x's gradient through both, against FP64."""
+    interpret(PRE_NORM_SCRIPT, "interpreter pre-norm ok")
+
+
 CUTOFFS_SCRIPT = textwrap.dedent(
     """
     import numpy as np
