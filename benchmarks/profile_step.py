@@ -1,12 +1,16 @@
-"""Where an energy+forces step goes on the GPU: wall time, GPU-busy time, kernel launches.
+"""Where a step goes on the GPU: wall time, GPU-busy time, kernel launches.
 
     python benchmarks/profile_step.py [--model random:s] [--molecules 64] [--precisions fp32,tf32x3] [--engine lean]
-                                      [--compile] [--gpu-ops]
+                                      [--kind conservative|direct|energy] [--compile] [--gpu-ops] [--shapes]
 
 For each precision: ``torch.profiler`` over ``--steps`` calls after warm-up; prints the
 wall time per step, the summed CUDA kernel time per step (if it is much smaller than the
-wall time, the step is bound by the host launching kernels), the number of kernels per
-step, the operators with the most host time and those with the most GPU time.
+wall time, the step is bound by the host: launching kernels, or its own work before the
+first kernel and after the last), the number of kernels per step, the operators with the
+most host time and those with the most GPU time (``--shapes``: by their inputs' shapes, so
+that each layer's GEMM has its own line). ``--kind`` says what a step computes: energy,
+forces and stress (``conservative``), the direct heads' forces and stress
+(``direct``, ``non_conservative=True``) or the energy alone (``energy``).
 """
 
 from __future__ import annotations
@@ -26,38 +30,57 @@ from ase_tcfp32.validation.common import resolve_model
 
 
 def profile_precision(
-    model: str, precision: str, atoms, steps: int, engine: str = "metatomic", compile: bool = False
+    model: str,
+    precision: str,
+    atoms,
+    steps: int,
+    engine: str = "metatomic",
+    compile: bool = False,
+    kind: str = "conservative",
+    shapes: bool = False,
 ) -> dict:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         atoms = atoms.copy()
-        atoms.calc = TCPETCalculator(model, precision=precision, device="cuda", engine=engine, compile=compile)
+        atoms.calc = TCPETCalculator(
+            model, precision=precision, device=device, engine=engine, compile=compile, non_conservative=kind == "direct"
+        )
     rng = np.random.default_rng(0)
 
     def step():
         atoms.positions += rng.normal(scale=1e-3, size=atoms.positions.shape)
-        atoms.get_forces()
+        if kind == "energy":
+            atoms.get_potential_energy()
+        else:
+            atoms.get_forces()
 
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
     for _ in range(3):
         step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=shapes) as prof:
         start = time.perf_counter()
         for _ in range(steps):
             step()
-        torch.cuda.synchronize()
+        sync()
         wall = (time.perf_counter() - start) / steps
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
-    averages = prof.key_averages()
+    averages = prof.key_averages(group_by_input_shape=shapes)
     return {
         "precision": precision,
         "engine": engine,
         "compiled": compile,
+        "kind": kind,
         "wall_ms": 1000 * wall,
         "gpu_busy_ms": sum(e.device_time for e in kernels) / 1000 / steps,
         "kernels_per_step": len(kernels) / steps,
         "top_host_ops": averages.table(sort_by="self_cpu_time_total", row_limit=12),
-        "top_gpu_ops": averages.table(sort_by="self_device_time_total", row_limit=25),
+        "top_gpu_ops": averages.table(
+            sort_by="device_time_total" if shapes else "self_device_time_total",
+            row_limit=60 if shapes else 25,
+            max_shapes_column_width=100,
+        ),
     }
 
 
@@ -71,14 +94,17 @@ def main() -> None:
     parser.add_argument(
         "--compile", action="store_true", help="TCPETCalculator(compile=True) (compiled during warm-up)"
     )
+    parser.add_argument("--kind", choices=["conservative", "direct", "energy"], default="conservative")
     parser.add_argument("--gpu-ops", action="store_true", help="also print the operators with the most GPU time")
+    parser.add_argument("--shapes", action="store_true", help="the operators by their inputs' shapes (with --gpu-ops)")
     parser.add_argument(
         "--out", default=None, help="results file (default: benchmarks/results/profile_step_<gpu>.json)"
     )
     args = parser.parse_args()
     model, atoms = resolve_model(args.model), water_box(args.molecules, seed=0)
     rows = [
-        profile_precision(model, p, atoms, args.steps, args.engine, args.compile) for p in args.precisions.split(",")
+        profile_precision(model, p, atoms, args.steps, args.engine, args.compile, args.kind, args.shapes)
+        for p in args.precisions.split(",")
     ]
     for row in rows:
         print(
@@ -90,7 +116,7 @@ def main() -> None:
         if args.gpu_ops:
             print(f"\n{row['precision']}, GPU time by operator:\n{row['top_gpu_ops']}")
     rows = [{"model": args.model, "atoms": len(atoms), **row} for row in rows]
-    _results.write("profile_step", rows, ("model", "atoms", "precision", "engine", "compiled"), out=args.out)
+    _results.write("profile_step", rows, ("model", "atoms", "precision", "engine", "compiled", "kind"), out=args.out)
 
 
 if __name__ == "__main__":

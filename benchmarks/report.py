@@ -296,13 +296,23 @@ def profile_step() -> str:
             f"{r['atoms']:,}",
             r["precision"],
             r["engine"],
+            r["kind"],
             f"{r['wall_ms']:.1f}",
             f"{r['gpu_busy_ms']:.1f}",
             f"{r['kernels_per_step']:.0f}",
         ]
         for r in data["rows"]
     ]
-    head = ["model shape", "atoms", "precision", "engine", "wall ms per step", "GPU busy ms", "kernels per step"]
+    head = [
+        "model shape",
+        "atoms",
+        "precision",
+        "engine",
+        "step",
+        "wall ms per step",
+        "GPU busy ms",
+        "kernels per step",
+    ]
     return table(head, out) + "\n\n" + measured(data)
 
 
