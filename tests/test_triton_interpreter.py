@@ -351,14 +351,26 @@ PRE_NORM_SCRIPT = textwrap.dedent(
     lean = LeanPET(load_pet("pet-demo-chgnet", "latest"), torch.device("cpu"), 2.0, 0, None, packed=True)
     lean._solver_kernel = None
     fused_calls, pre_norm = [], _packed.pre_norm
-    _packed.pre_norm = lambda x, norm: fused_calls.append(1) or pre_norm(x, norm)
+    def counted(x, norm):  # how many ran in pre_norm's kernels (no norm left to the layer)
+        out = pre_norm(x, norm)
+        fused_calls.append(out[2] is None)
+        return out
+
+    _packed.pre_norm = counted
     fused = lean.compute([atoms], PROPERTIES)[0]
-    assert len(fused_calls) == 12  # 2 GNN layers x 2 transformer layers x (attention, feed-forward, node update)
+    assert sum(fused_calls) == 12  # 2 GNN layers x 2 transformer layers x (attention, feed-forward, node update)
+    # in pieces, one GNN layer at a time (its own backward pass): the same results
+    from ase_tcfp32._layerwise import Pieces
+
+    pieces = LeanPET(lean.pet, torch.device("cpu"), 2.0, 0, None, packed=True, pieces=Pieces(0, 7, 0))
+    pieces._solver_kernel = None
+    in_pieces = pieces.compute([atoms], PROPERTIES)[0]
     _packed.pre_norm = lambda x, norm: (x, x, norm)
     plain = lean.compute([atoms], PROPERTIES)[0]
-    assert abs(fused["energy"] - plain["energy"]) < 16 * len(atoms) * 2.0**-24 * abs(plain["energy"])
-    assert np.abs(fused["forces"] - plain["forces"]).max() < 1e-5 * np.abs(plain["forces"]).max()
-    assert np.abs(fused["stress"] - plain["stress"]).max() < 1e-5 * np.abs(plain["stress"]).max()
+    for other in (fused, in_pieces):
+        assert abs(other["energy"] - plain["energy"]) < 16 * len(atoms) * 2.0**-24 * abs(plain["energy"])
+        assert np.abs(other["forces"] - plain["forces"]).max() < 1e-5 * np.abs(plain["forces"]).max()
+        assert np.abs(other["stress"] - plain["stress"]).max() < 1e-5 * np.abs(plain["stress"]).max()
     print("interpreter pre-norm ok")
     """
 )
