@@ -21,6 +21,7 @@ TMA store that runs during the next tile (``docs/design.md``).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -37,14 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from . import autotune
 from .context import on_device
-from .epilogue import (
-    ACTIVATIONS,
-    Embedding,
-    gl_embedding,
-    gl_silu,
-    gl_swiglu,
-    without_product,
-)
+from .epilogue import ACTIVATIONS, Embedding, gl_embedding, gl_silu, gl_swiglu, without_product
 from .gluon_common import descriptor, load_stage, ring, tile_offsets, tma_ready
 from .split import split_fp16x3
 from .triton_gemm import min_rows, sm_count
@@ -386,8 +380,8 @@ def launch(
         halves = z.chunk(2, dim=1) if activation == "swiglu" else (z, z)
         z_desc, g_desc = (descriptor(half, tile) for half in halves)
     else:
-        z, z_desc = None, descriptor(torch.empty((8, 4), device=x.device), [8, 4])  # unused, small
-        g_desc = z_desc
+        z = None
+        z_desc = g_desc = _unused_descriptor(x.device)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     with on_device(x.device):
         _fp16x3_kernel[(min(tiles, sm_count(x.device)),)](
@@ -418,6 +412,13 @@ def launch(
         )
     y = y if y.shape[1] == out else y[:, :out].contiguous()
     return (y, z) if keep else y
+
+
+@functools.cache
+def _unused_descriptor(device: torch.device):
+    """A small descriptor for the pre-activation's arguments of a launch without ``keep``
+    (never read or written), made once per device rather than at every launch."""
+    return descriptor(torch.empty((8, 4), device=device), [8, 4])
 
 
 KEEP_STAGES = 3
