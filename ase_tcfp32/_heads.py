@@ -198,12 +198,17 @@ def table_predictions(
     return [prediction for prediction, _ in out], [found for _, found in out]
 
 
+def per_structure_sums(values: torch.Tensor, system: torch.Tensor, count: int) -> torch.Tensor:
+    """The sums [count, ...] over each structure's atoms of ``values`` [N, ...] of atoms in
+    structures ``system`` [N]; no host synchronisation, so it runs in a CUDA graph."""
+    return values.new_zeros((count, *values.shape[1:])).index_add_(0, system, values)
+
+
 def per_structure_centred(values: torch.Tensor, system: torch.Tensor, count: int) -> torch.Tensor:
     """``values`` [N, ...] of atoms in structures ``system`` [N] (of ``count``), less each
-    structure's mean over its atoms (a force's net force); no host synchronisation, so it
-    runs in a CUDA graph."""
-    atoms = values.new_zeros(count).index_add_(0, system, values.new_ones(values.shape[0])).clamp_min(1)
-    sums = values.new_zeros((count, *values.shape[1:])).index_add_(0, system, values)
+    structure's mean over its atoms (a force's net force), graph-safe like :func:`per_structure_sums`."""
+    atoms = per_structure_sums(values.new_ones(values.shape[0]), system, count).clamp_min(1)
+    sums = per_structure_sums(values, system, count)
     return values - (sums / atoms.reshape(-1, *[1] * (values.dim() - 1))).index_select(0, system)
 
 
@@ -221,7 +226,7 @@ def direct_output(quantity: str, term: torch.Tensor, cells: torch.Tensor, system
     volumes = torch.where(volumes == 0, torch.inf, volumes)
     term = term.reshape(-1, 3, 3) / volumes.index_select(0, system)[:, None, None]
     term = (term + term.transpose(1, 2)) / 2
-    return {"non_conservative_stress": term.new_zeros(count, 3, 3).index_add_(0, system, term)}
+    return {"non_conservative_stress": per_structure_sums(term, system, count)}
 
 
 class LLPR(NamedTuple):

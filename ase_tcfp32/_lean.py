@@ -38,7 +38,7 @@ from . import _progress as progress
 from . import watchdog
 from ._compilation import compiled
 from ._graphs import Graph
-from ._heads import ENERGY, FORCE, LLPR, STRESS, Heads, direct_output, table_predictions
+from ._heads import ENERGY, FORCE, LLPR, STRESS, Heads, direct_output, per_structure_sums, table_predictions
 from ._inputs import Kept, neighbor_table, packed_rows
 from ._kernels.context import cutoff_kernel_usable
 from ._neighbors import PairTerms, Structures, VerletList, pair_vectors, round_up, virials
@@ -311,7 +311,7 @@ class LeanPET:
             if grad:
                 wrt = [positions, vectors] if stress else [positions]
                 grads = torch.autograd.grad(weighted.sum(), wrt, retain_graph="energy_ensemble" in llpr)
-            totals = energies.new_zeros(count).index_add_(0, system, weighted.detach())
+            totals = per_structure_sums(weighted.detach(), system, count)
             out = {"energy": totals, "energies": energies.detach(), "sizes": sizes}
             if grad:
                 out["forces"] = -grads[0]

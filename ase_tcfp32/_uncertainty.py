@@ -35,7 +35,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from ._heads import COMPONENTS, ENERGY, FORCE, LLPR, STRESS, Heads, per_structure_centred
+from ._heads import COMPONENTS, ENERGY, FORCE, LLPR, STRESS, Heads, per_structure_centred, per_structure_sums
 from .layers import TCLinear
 
 DIRECT_ENSEMBLES = {"non_conservative_forces_ensemble": FORCE, "non_conservative_stress_ensemble": STRESS}
@@ -195,8 +195,7 @@ class Uncertainty:
             members = self.direct_members(FORCE, found[FORCE].detach(), out["non_conservative_forces"])
             result["non_conservative_forces_ensemble"] = per_structure_centred(members, system, count)
         if "non_conservative_stress_ensemble" in names:
-            atoms = found[STRESS].detach()
-            summed = atoms.new_zeros(count, atoms.shape[1]).index_add_(0, system, atoms)  # metatrain's per-system
+            summed = per_structure_sums(found[STRESS].detach(), system, count)  # metatrain's per-system features
             result["non_conservative_stress_ensemble"] = self.direct_members(
                 STRESS, summed, out["non_conservative_stress"]
             )
