@@ -122,10 +122,24 @@ def test_results_are_cached_between_property_requests(tiny_ckpt, water):
 
 @pytest.mark.parametrize(
     "change",
-    ["none", "positions", "tiny move", "cell", "pbc", "numbers", "charges", "magmoms", "momenta", "more atoms"],
+    [
+        "none",
+        "positions",
+        "tiny move",
+        "tiny, then large",
+        "all moved",
+        "cell",
+        "tiny cell",
+        "pbc",
+        "numbers",
+        "charges",
+        "magmoms",
+        "momenta",
+        "more atoms",
+    ],
 )
 def test_check_state_answers_as_ase_does(tiny_ckpt, water, change):
-    """The fast answer for an unchanged system (exact equality) never differs from ASE's."""
+    """The cheaper comparisons never answer otherwise than ASE's ``compare_atoms``."""
     from ase.calculators.calculator import compare_atoms
 
     calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu")
@@ -135,9 +149,16 @@ def test_check_state_answers_as_ase_does(tiny_ckpt, water, change):
     if change == "positions":
         moved.positions[4, 2] += 1e-3
     elif change == "tiny move":  # below ASE's tolerance: no change for either
-        moved.positions[4, 2] += 1e-16
+        moved.positions[4, 2] = np.nextafter(moved.positions[4, 2], np.inf)
+    elif change == "tiny, then large":  # the first difference is within the tolerance, a later one is not
+        moved.positions[0, 0] = np.nextafter(moved.positions[0, 0], np.inf)
+        moved.positions[4, 2] += 1e-3
+    elif change == "all moved":  # an MD step
+        moved.positions += np.random.default_rng(0).normal(0, 1e-3, moved.positions.shape)
     elif change == "cell":
         moved.cell[0, 0] += 0.01
+    elif change == "tiny cell":
+        moved.cell[0, 0] = np.nextafter(moved.cell[0, 0], np.inf)
     elif change == "pbc":
         moved.pbc = [True, True, False]
     elif change == "numbers":
@@ -150,8 +171,12 @@ def test_check_state_answers_as_ase_does(tiny_ckpt, water, change):
         moved.set_momenta(np.ones((len(moved), 3)))
     elif change == "more atoms":
         moved += Atoms("H", positions=[[0.5, 0.5, 0.5]])
+    if change.startswith("tiny"):
+        assert not np.array_equal(moved.positions, calc.atoms.positions) or not np.array_equal(
+            moved.cell, calc.atoms.cell
+        )
     assert sorted(calc.check_state(moved)) == sorted(compare_atoms(calc.atoms, moved, tol=1e-15))
-    assert (calc.check_state(moved) == []) == (change in ("none", "tiny move", "momenta"))
+    assert (calc.check_state(moved) == []) == (change in ("none", "tiny move", "tiny cell", "momenta"))
 
 
 def test_elements_are_checked_again_when_they_change(shipped):
