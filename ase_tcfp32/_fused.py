@@ -105,27 +105,38 @@ def swap_feed_forwards(module: torch.nn.Module, enable: bool = True) -> list[str
 
 class _CombinationFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, o, reverse, weight, bias, eps):
-        y, mean, rstd = _combination_kernels().forward(o, reverse, weight, bias, eps)
+    def forward(ctx, o, reverse, weight, bias, eps, residual):
+        ctx.set_materialize_grads(False)
+        y, mean, rstd, summed = _combination_kernels().forward(o, reverse, weight, bias, eps, residual)
         ctx.save_for_backward(o, reverse, weight, mean, rstd)
-        return y
+        return y if summed is None else (y, summed)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_y):
-        return _combination_kernels().backward(grad_y, *ctx.saved_tensors), None, None, None, None
+    def backward(ctx, grad_y, grad_summed=None):
+        o, *rest = ctx.saved_tensors
+        if grad_y is None:
+            grad_y = torch.zeros(*o.shape[:-1], 2 * o.shape[-1], dtype=o.dtype, device=o.device)
+        grad_o = _combination_kernels().backward(grad_y, o, *rest, grad_summed)
+        return grad_o, None, None, None, None, grad_summed
 
 
-def combine_messages(o: torch.Tensor, reverse: torch.Tensor, norm: torch.nn.LayerNorm) -> torch.Tensor:
+def combine_messages(
+    o: torch.Tensor, reverse: torch.Tensor, norm: torch.nn.LayerNorm, residual: torch.Tensor | None = None
+):
     """``norm(cat([o, o[reverse]], -1))`` [N, J, 2D]: each of the messages ``o`` [N, J, D]
     next to its reverse pair's, ``reverse`` [N, J] being the flat slot (``j + J * i``) of
     slot (i, j)'s reverse and an involution (``reverse[reverse] == slots``: a padding slot
-    is its own reverse); differentiable with respect to ``o``. One kernel each way for
-    float32 CUDA tensors and a frozen ``norm``."""
+    is its own reverse); with ``residual`` [N, J, D] (the layer's input edges), also
+    ``residual + o`` (returns both). Differentiable with respect to ``o`` and ``residual``;
+    one kernel each way for float32 CUDA tensors and a frozen ``norm``."""
     if not _on_kernels(o) or norm.weight is None or norm.weight.requires_grad or norm.bias.requires_grad:
         reversed_messages = o.reshape(-1, o.shape[-1])[reverse.reshape(-1)].reshape(o.shape)
-        return norm(torch.cat([o, reversed_messages], dim=-1))
-    return _CombinationFunction.apply(o.contiguous(), reverse.contiguous(), norm.weight, norm.bias, norm.eps)
+        y = norm(torch.cat([o, reversed_messages], dim=-1))
+        return y if residual is None else (y, residual + o)
+    if residual is not None:
+        residual = residual.contiguous()
+    return _CombinationFunction.apply(o.contiguous(), reverse.contiguous(), norm.weight, norm.bias, norm.eps, residual)
 
 
 def _norm_kernels():
@@ -205,7 +216,8 @@ def _feedforward_featurization_impl(self, inputs: dict, use_manual_attention: bo
         )
         if conditioning is not None:
             out_nodes = out_nodes + conditioning
-        edges = edges + out_edges + mlp(combine_messages(out_edges, reverse, norm))
+        combined, summed = combine_messages(out_edges, reverse, norm, residual=edges)
+        edges = summed + mlp(combined)
         nodes, edges = post_node(out_nodes), post_edge(edges)
     return [nodes], [edges]
 

@@ -139,7 +139,8 @@ def features_of(backend: torch.nn.Module, packed: Packed) -> tuple[torch.Tensor,
             )
         else:
             out_nodes, out_edges = _gnn_layer(_inner(gnn_layer), nodes, edges, packed)
-        edges = combination(mlp, combine_messages(out_edges, packed.reverse, norm), residual=edges + out_edges)
+        combined, summed = combine_messages(out_edges, packed.reverse, norm, residual=edges)  # and edges + out_edges
+        edges = combination(mlp, combined, residual=summed)
         nodes, edges = post_node(out_nodes), post_edge(edges)
     return nodes, edges
 

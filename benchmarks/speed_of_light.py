@@ -464,8 +464,8 @@ class StagedStep:
                 ]
 
             def combine(v, norm=norm, mlp=mlp, post=(backend.gnn_layers_post_mp_edge[number],)):
-                messages = v["messages"] + v["edges"] + mlp(combine_messages(v["edges"], packed.reverse, norm))
-                return {"messages": post[0](messages)}
+                combined, summed = combine_messages(v["edges"], packed.reverse, norm, residual=v["messages"])
+                return {"messages": post[0](summed + mlp(combined))}
 
             out.append((f"{prefix} · message combination", combine, ["edges", "messages"], ["messages"]))
         out.append(

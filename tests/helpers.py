@@ -79,6 +79,17 @@ def check_combination(device: str) -> None:
         size = rstd * (gw.amax(-1) + gw.mean(-1) + xhat.abs().amax(-1) * (gw * xhat.abs()).mean(-1))
         size = size + size.reshape(-1)[reverse.reshape(-1)].reshape(size.shape)
         assert ((do.double() - do64).abs() <= 2 * depth * u * size[..., None]).all(), (atoms, slots, width)
+        # with the layer's input edges: their sum with o too (one FP32 addition, as torch's),
+        # and its gradient joins o's (two more roundings, of sums bounded by size + |ds|:
+        # size bounds each row's LayerNorm gradient too)
+        edges = torch.randn(atoms, slots, width, generator=g, device=device).requires_grad_()
+        grad_s = torch.randn(atoms, slots, width, generator=g, device=device)
+        y2, summed = combine_messages(o, reverse, norm, residual=edges)
+        assert torch.equal(y2, y) and torch.equal(summed, edges.detach() + o.detach())
+        do2, dedges = torch.autograd.grad((y2, summed), (o, edges), (grad, grad_s))
+        assert torch.equal(dedges, grad_s)
+        within = 2 * depth * u * size[..., None] + 2 * u * (size[..., None] + grad_s.double().abs())
+        assert ((do2.double() - (do64 + grad_s.double())).abs() <= within).all(), (atoms, slots, width)
 
 
 def check_pre_norm(device: str) -> None:

@@ -8,7 +8,10 @@ and the norm's backward, the ``cat``'s split and an ``index_add`` backward: pass
 P x 2D floats each (1.4 GB per tensor with PET-S at 17,280 water atoms). Here the
 forward reads ``o`` twice (its rows and their reverses) and writes ``y`` with each row's
 mean and reciprocal standard deviation; the backward reads ``o`` and ``dy`` once each
-and writes ``do``.
+and writes ``do``. With the layer's input edges ``e`` [P, D], the forward pass also
+writes ``e + o`` (the combination's residual, an addition of its own eagerly: it reads the
+rows of ``o`` it has loaded anyway) and the backward pass adds that sum's gradient into
+``do`` (eagerly another addition, autograd's sum of ``o``'s two uses).
 
 The backward needs ``r`` to be an involution (``r[r[p]] == p`` for every slot, padding
 included: PET's reverse pairs are symmetric, and a padding slot is its own reverse, see
@@ -72,16 +75,22 @@ def _combination_forward(
     y_ptr,
     mean_ptr,
     rstd_ptr,
+    e_ptr,
+    s_ptr,
     P,
     eps,
     D: tl.constexpr,
     DP: tl.constexpr,
     ROWS: tl.constexpr,
+    RESIDUAL: tl.constexpr,
 ):
     p = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     real = p < P
     r = tl.load(reverse_ptr + p, mask=real, other=0)
     a, b, c, where = _halves(o_ptr, p[:, None], r[:, None], real[:, None], D, DP)
+    if RESIDUAL:  # e + o, from the rows of o in registers
+        at = p[:, None] * D + c
+        tl.store(s_ptr + at, tl.load(e_ptr + at, mask=where, other=0.0) + a, mask=where)
     mean = (tl.sum(a, 1) + tl.sum(b, 1)) / (2 * D)
     xa, xb = tl.where(where, a - mean[:, None], 0.0), tl.where(where, b - mean[:, None], 0.0)
     var = (tl.sum(xa * xa, 1) + tl.sum(xb * xb, 1)) / (2 * D)
@@ -116,10 +125,12 @@ def _combination_backward(
     mean_ptr,
     rstd_ptr,
     do_ptr,
+    ds_ptr,
     P,
     D: tl.constexpr,
     DP: tl.constexpr,
     ROWS: tl.constexpr,
+    RESIDUAL: tl.constexpr,
 ):
     p = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     r = tl.load(reverse_ptr + p, mask=p < P, other=0)
@@ -130,8 +141,12 @@ def _combination_backward(
     stats_r = tl.load(mean_ptr + r, mask=lead, other=0.0)[:, None], tl.load(rstd_ptr + r, mask=lead, other=0.0)[:, None]
     pa, pb = _row_gradient(a, b, dy_ptr, p[:, None], *stats_p, wa, wb, c, where, D)  # row p = [o_p, o_r]
     ra, rb = _row_gradient(b, a, dy_ptr, r[:, None], *stats_r, wa, wb, c, where, D)  # row r = [o_r, o_p]
-    tl.store(do_ptr + p[:, None] * D + c, pa + rb, mask=where)
-    tl.store(do_ptr + r[:, None] * D + c, ra + pb, mask=where)  # p == r (padding): the same sum again
+    at_p, at_r = p[:, None] * D + c, r[:, None] * D + c
+    if RESIDUAL:  # the gradient of e + o joins o's
+        pa += tl.load(ds_ptr + at_p, mask=where, other=0.0)
+        ra += tl.load(ds_ptr + at_r, mask=where, other=0.0)
+    tl.store(do_ptr + at_p, pa + rb, mask=where)
+    tl.store(do_ptr + at_r, ra + pb, mask=where)  # p == r (padding): the same sum again
 
 
 def _launch(o: torch.Tensor, reverse: torch.Tensor, backward: bool) -> tuple:
@@ -150,20 +165,44 @@ def _launch(o: torch.Tensor, reverse: torch.Tensor, backward: bool) -> tuple:
 
 
 def forward(
-    o: torch.Tensor, reverse: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    o: torch.Tensor,
+    reverse: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple:
     """``LayerNorm(cat(o, o[reverse]))`` [..., 2D] for ``o`` [..., D] and the slots
     ``reverse`` [...] (indices into ``o``'s rows, flattened), with ``weight`` and ``bias``
-    [2D]; and each row's mean and reciprocal standard deviation [P] for :func:`backward`."""
+    [2D]; each row's mean and reciprocal standard deviation [P] for :func:`backward`; with
+    ``residual`` [..., D] (contiguous float32), ``residual + o`` too."""
     rows, width, constants, grid = _launch(o, reverse, backward=False)
+    if residual is not None and (
+        residual.shape != o.shape or residual.dtype != o.dtype or not residual.is_contiguous()
+    ):
+        raise ValueError(f"a contiguous float32 residual shaped as the messages expected, got {tuple(residual.shape)}")
     y = o.new_empty(*o.shape[:-1], 2 * width)
     mean, rstd = o.new_empty(rows), o.new_empty(rows)
+    summed = None if residual is None else torch.empty_like(o)
     if rows:
         with on_device(o.device):
             _combination_forward[grid](
-                o, reverse, weight.contiguous(), bias.contiguous(), y, mean, rstd, rows, eps, **constants, num_warps=4
+                o,
+                reverse,
+                weight.contiguous(),
+                bias.contiguous(),
+                y,
+                mean,
+                rstd,
+                o if residual is None else residual,
+                o if summed is None else summed,
+                rows,
+                eps,
+                **constants,
+                RESIDUAL=residual is not None,
+                num_warps=4,
             )
-    return y, mean, rstd
+    return y, mean, rstd, summed
 
 
 def backward(
@@ -173,14 +212,27 @@ def backward(
     weight: torch.Tensor,
     mean: torch.Tensor,
     rstd: torch.Tensor,
+    grad_summed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The gradient [..., D] of :func:`forward` with respect to ``o``, for ``grad_y`` [...,
-    2D]; ``reverse`` must be an involution (see the module doc)."""
+    2D] (and the gradient ``grad_summed`` [..., D] of its ``residual + o``, added);
+    ``reverse`` must be an involution (see the module doc)."""
     rows, width, constants, grid = _launch(o, reverse, backward=True)
     grad_o = torch.empty_like(o)
     if rows:
         with on_device(o.device):
             _combination_backward[grid](
-                o, reverse, weight.contiguous(), grad_y.contiguous(), mean, rstd, grad_o, rows, **constants, num_warps=8
+                o,
+                reverse,
+                weight.contiguous(),
+                grad_y.contiguous(),
+                mean,
+                rstd,
+                grad_o,
+                grad_o if grad_summed is None else grad_summed.contiguous(),
+                rows,
+                **constants,
+                RESIDUAL=grad_summed is not None,
+                num_warps=8,
             )
     return grad_o
