@@ -41,7 +41,7 @@ from .context import on_device
 from .epilogue import ACTIVATIONS, Embedding, gl_embedding, gl_silu, gl_swiglu, without_product
 from .gluon_common import descriptor, load_stage, ring, tile_offsets, tma_ready
 from .split import split_fp16x3
-from .triton_gemm import min_rows, sm_count
+from .triton_gemm import NEVER, min_rows, sm_count
 
 
 @gluon.jit
@@ -338,7 +338,7 @@ def split_weight(w: torch.Tensor, tune: bool = False) -> Words:
     words = torch.stack([hi, lo]).half()
     words = torch.nn.functional.pad(words, (0, triton.cdiv(k, 8) * 8 - k)).contiguous()
     split = Words(words, down.contiguous(), min_rows(n, k, w.device))
-    if not tune:
+    if not tune or split.min_rows == NEVER:  # nothing to tune for cuBLAS
         return split
     config = autotune.tuned_gemm("fp16x3", n, k, w.device, CANDIDATES, lambda c: lambda x: launch(x, split, None, c))
     return split._replace(config=config)

@@ -248,15 +248,30 @@ class Prepared(NamedTuple):
     backward: Gemm
 
 
+NEVER = torch.iinfo(torch.int64).max
+"""A :func:`min_rows` that no input reaches: the product always runs cuBLAS FP32."""
+
+MIN_OUTPUTS, MIN_TERMS = 16, 8
+"""Products with fewer output columns, or fewer terms per sum, than these run cuBLAS FP32
+on a GPU at any size: a tile of 128 columns or 32 terms would be mostly padding, and
+reading the input bounds them. PET's heads' last layers on [558,336 x 256] rows (H200,
+fp16x3 kernel against cuBLAS FP32): 1, 3 and 9 outputs 0.287 / 0.145, 0.296 / 0.263, 0.287 /
+0.267 ms; their input gradients, 1, 3 and 9 terms, 0.347 / 0.215, 0.276 / 0.242, 0.259 /
+0.305 ms."""
+
+
 def min_rows(n: int, k: int, device: torch.device) -> int:
     """Rows from which an [M, n] output fills at least half of the GPU's SMs with tiles.
 
     Below that (PET's node layers at a few hundred atoms: 16-48 tiles of 128 x 128 on
     132 SMs) the three-pass kernel measured 0.2-0.8x cuBLAS FP32 on H200, so the
     FP32-accurate precisions use cuBLAS FP32 there; at 64+ tiles it measured >= 1.1x.
+    Narrow products (:data:`MIN_OUTPUTS`, :data:`MIN_TERMS`) never reach it.
     """
     if device.type != "cuda":
         return 0
+    if n < MIN_OUTPUTS or k < MIN_TERMS:
+        return NEVER
     config = tile_config(n, k)
     tiles_n = triton.cdiv(n, config["BN"])
     return (triton.cdiv(sm_count(device), 2 * tiles_n) - 1) * config["BM"] + 1
@@ -368,10 +383,10 @@ class TritonBackend:
         """``w`` [N, K] split for ``y = x w^T``, launched with ``config`` (default
         :func:`tile_config` or, with ``tune``, the fastest of :func:`tile_candidates`)."""
         n, k = w.shape
-        config = config or (self._tuned(w, finite) if tune else tile_config(n, k))
         rows = 0 if self.precision == "tf32" else min_rows(n, k, w.device)
         if not finite and self.precision != "tf32":
-            rows = torch.iinfo(torch.int64).max
+            rows = NEVER
+        config = config or (self._tuned(w, finite) if tune and rows < NEVER else tile_config(n, k))
         words = self._words(w)
         kp = triton.cdiv(k, 8) * 8  # 16-byte rows for TMA, in FP32 and BF16 alike
         words = torch.nn.functional.pad(words, (0, kp - k)).contiguous()
