@@ -216,8 +216,9 @@ def _feedforward_featurization_impl(self, inputs: dict, use_manual_attention: bo
         )
         if conditioning is not None:
             out_nodes = out_nodes + conditioning
-        combined, summed = combine_messages(out_edges, reverse, norm, residual=edges)
+        combined, summed = combine_messages(out_edges, reverse, norm, residual=edges)  # and edges + out_edges
         edges = summed + mlp(combined)
+        del combined, summed  # not alive through the next layer
         nodes, edges = post_node(out_nodes), post_edge(edges)
     return [nodes], [edges]
 

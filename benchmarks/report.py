@@ -101,16 +101,22 @@ def md_step() -> str:
                 cells = [r["error"], "", ""]
             elif r.get("kind", "conservative") == "conservative":
                 cells = [milliseconds(r["ms"]), f"{best / r['ms']:.2f}x", f"{r['peak_GB']:.1f}"]
-            else:  # not an MD step of conservative forces: its cost against the same configuration's step
-                step = next(
-                    q["ms"]
+            else:  # not an MD step of conservative forces: its cost against the same configuration's
+                same = [  # step (an energy-only call: against its energy + forces call), same run
+                    q
                     for q in group
-                    if q.get("kind") == "conservative"
-                    and "ms" in q
-                    and (q["engine"], q["precision"], q["run"], q.get("epilogues"))
-                    == (r["engine"], r["precision"], r["run"], r.get("epilogues"))
-                )
-                cells = [milliseconds(r["ms"]), f"{r['ms'] / step:.2f} of the step", f"{r['peak_GB']:.1f}"]
+                    if "ms" in q
+                    and (q["engine"], q["compiled"], q["precision"], q["run"], q.get("epilogues"))
+                    == (r["engine"], r["compiled"], r["precision"], r["run"], r.get("epilogues"))
+                ]
+                against = {q.get("kind", "conservative"): q["ms"] for q in same}
+                if r["kind"] == "energy" and "energy_forces" in against:
+                    ratio = f"{r['ms'] / against['energy_forces']:.2f} of an energy + forces call"
+                elif "conservative" in against:
+                    ratio = f"{r['ms'] / against['conservative']:.2f} of the step"
+                else:
+                    ratio = ""
+                cells = [milliseconds(r["ms"]), ratio, f"{r['peak_GB']:.1f}"]
             out.append([shape(model), f"{atoms:,}", configuration(r), *cells])
     head = ["model shape", "atoms", "configuration", "ms per MD step (or call)", "vs the best FP32", "peak GB"]
     return table(head, out) + "\n\n" + measured(data)
