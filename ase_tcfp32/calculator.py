@@ -316,9 +316,9 @@ class TCPETCalculator(LLPRMethods, Calculator):
 
     def check_state(self, atoms: Atoms, tol: float = 1e-15) -> list[str]:
         """What changed since the last calculation: ASE's ``compare_atoms`` answer, from
-        cheaper comparisons (:func:`_changes`). ASE's MD drivers ask for the cached forces
-        twice per step, and its tolerant comparison of every array took 0.4 ms at 17,280
-        atoms (0.09 ms at 192) on a 2-core CPU."""
+        cheaper comparisons (:func:`_changes`). ASE's MD drivers ask three times per step;
+        its tolerant comparison of every array took 0.23 ms for 17,280 moved atoms on a
+        2-core CPU, this one 0.04 ms."""
         if self.atoms is None:
             return all_changes[:]
         return _changes(self.atoms, atoms, tol, set(all_changes) - set(self.ignored_changes))
