@@ -95,6 +95,20 @@ def test_tuning_can_be_turned_off(tuning_cache, monkeypatch):
     assert timer.calls == 0 and not tuning_cache.exists()
 
 
+def test_narrow_products_run_cublas_fp32_at_any_size_and_are_not_tuned():
+    """Fewer than 16 outputs or 8 terms (PET's heads' last layers and their input gradients)
+    never reach the tensor-core kernels on a GPU; wider products do from a few hundred rows;
+    on a CPU the emulation takes every product."""
+    from ase_tcfp32._kernels.triton_gemm import NEVER, min_rows
+
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    for n, k in [(1, 256), (3, 256), (9, 256), (15, 1024), (256, 1), (256, 3), (256, 7)]:
+        assert min_rows(n, k, gpu) == NEVER, (n, k)
+        assert min_rows(n, k, cpu) == 0
+    if torch.cuda.is_available():
+        assert min_rows(16, 8, gpu) < 10**7 and min_rows(256, 9, gpu) < 10**7
+
+
 def test_warm_up_evaluates_a_copy_and_the_next_call_agrees(tiny_ckpt, water):
     calc = TCPETCalculator(tiny_ckpt, precision="fp32", device="cpu")
     atoms = water.copy()
