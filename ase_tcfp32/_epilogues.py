@@ -40,7 +40,7 @@ from torch.autograd.function import once_differentiable
 
 from . import watchdog
 from ._backends import get_backend
-from ._fused import swiglu
+from ._fused import frozen_rms_norm, rms_eps, swiglu
 from ._kernels.context import INTERPRETED
 from ._kernels.epilogue import Embedding, activation_grad
 from .layers import TCLinear, _grad_input
@@ -88,16 +88,6 @@ def _kernel_backend(layer: torch.nn.Module, x: torch.Tensor):
         return None
     backend = get_backend(layer.precision, x.device, None)
     return backend if hasattr(backend, "fused") else None
-
-
-def _foldable(norm: torch.nn.Module | None, x: torch.Tensor) -> bool:
-    """Whether ``norm`` before a layer can run in the layer's kernel: an RMS norm over the
-    last dimension of ``x``, frozen."""
-    return (
-        isinstance(norm, torch.nn.RMSNorm)
-        and tuple(norm.normalized_shape) == (x.shape[-1],)
-        and (norm.weight is None or not norm.weight.requires_grad)
-    )
 
 
 def _derived(layer: TCLinear, backend, device: torch.device, norm, interleaved: bool) -> tuple:
@@ -157,7 +147,7 @@ def linear(
     if isinstance(residual, Embedding) and (backend is None or torch.is_grad_enabled()):
         residual = residual.tensor().reshape(*x.shape[:-1], -1)  # computed in a kernel only without gradients
     grad = torch.is_grad_enabled() and (x.requires_grad or (residual is not None and residual.requires_grad))
-    if norm is not None and (grad or backend is None or not _foldable(norm, x)):
+    if norm is not None and (grad or backend is None or not frozen_rms_norm(norm, x)):
         x, norm = norm(x), None  # a norm with gradients, or one the kernels do not fold, runs on its own
     if backend is None or (grad and (activation is not None or residual is None)) or watchdog.due(layer, "forward"):
         return _composed(layer, x, residual, activation, norm)
@@ -173,7 +163,7 @@ def linear(
         y = _Residual.apply(x, residual, layer, backend, prepared, bias)
         watchdog.count_call(layer, "forward")
     else:
-        eps = None if norm is None else (torch.finfo(x.dtype).eps if norm.eps is None else norm.eps)
+        eps = None if norm is None else rms_eps(norm, x.dtype)
         y = backend.fused(x, prepared, bias, residual, activation, eps)
         if y is None:  # too few rows for the kernel
             y = _composed(layer, x, residual, activation, norm)

@@ -163,6 +163,21 @@ class _PreNormFunction(torch.autograd.Function):
         return _norm_kernels().backward(x, weight, rstd, grad_y, grad_x), None, None
 
 
+def frozen_rms_norm(norm: torch.nn.Module | None, x: torch.Tensor) -> bool:
+    """Whether ``norm`` is an RMS norm over the last dimension of ``x`` with no trainable
+    weight (the kernels' norms: folded into a GEMM, or :func:`pre_norm`'s)."""
+    return (
+        isinstance(norm, torch.nn.RMSNorm)
+        and tuple(norm.normalized_shape) == (x.shape[-1],)
+        and (norm.weight is None or not norm.weight.requires_grad)
+    )
+
+
+def rms_eps(norm: torch.nn.RMSNorm, dtype: torch.dtype) -> float:
+    """The ``eps`` an RMS norm adds to the mean square (torch's default: ``dtype``'s epsilon)."""
+    return torch.finfo(dtype).eps if norm.eps is None else norm.eps
+
+
 def pre_norm(x: torch.Tensor, norm: torch.nn.Module) -> tuple:
     """``(residual, tokens, norm_left)`` for a layer that reads ``norm(x)`` next to a residual
     addition of ``x`` [..., d]: with gradients through a frozen RMS norm over d, ``x`` and
@@ -173,14 +188,12 @@ def pre_norm(x: torch.Tensor, norm: torch.nn.Module) -> tuple:
         torch.is_grad_enabled()
         and x.requires_grad
         and _on_kernels(x)
-        and isinstance(norm, torch.nn.RMSNorm)
-        and tuple(norm.normalized_shape) == (x.shape[-1],)
+        and frozen_rms_norm(norm, x)
         and norm.weight is not None
-        and not norm.weight.requires_grad
     ):
         return x, x, norm
-    eps = torch.finfo(x.dtype).eps if norm.eps is None else norm.eps
-    residual, tokens = _PreNormFunction.apply(x.reshape(-1, x.shape[-1]).contiguous(), norm.weight, eps)
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    residual, tokens = _PreNormFunction.apply(flat, norm.weight, rms_eps(norm, x.dtype))
     return residual.reshape(x.shape), tokens.reshape(x.shape), None
 
 
