@@ -1,6 +1,6 @@
 """PET's memory-bound stages in one kernel each way: the SwiGLU activation
-(:func:`swiglu`) and the combination of messages between GNN layers
-(:func:`combine_messages`), each with the swap that puts it into a model.
+(:func:`swiglu`, with the swap that puts it into a model) and the combination of messages
+between GNN layers (:func:`combine_messages`).
 
 metatrain's ``FeedForward`` with ``activation="SwiGLU"`` (every PET-MAD and uPET model)
 computes ``w_out(v * sigmoid(g))`` with ``v, g = w_in(x).chunk(2, -1)``: six memory-bound
@@ -13,9 +13,9 @@ backward, with the same FP32 arithmetic.
 Between GNN layers, metatrain's feed-forward featurizer normalises each message next to
 its reverse pair's, ``LayerNorm(cat(o, o[reverse]))``: a gather, a ``cat``, the norm, and
 backward the norm's gradient, a split and an ``index_add``, over tensors of edge tokens
-times 2 d_pet. :func:`swap_backends` turns a model's ``PETBackend`` into a
-``FusedPETBackend`` whose featurizer runs that step through
-:mod:`ase_tcfp32._kernels.combination`: one pass forward, one backward.
+times 2 d_pet. :func:`combine_messages` runs that step through
+:mod:`ase_tcfp32._kernels.combination`: one pass forward, one backward (used on packed rows,
+:mod:`ase_tcfp32._packed`, and on metatrain's table, :mod:`ase_tcfp32._table`).
 
 Where one tensor feeds both a residual addition and an RMS norm (PET-MAD's PreLN
 transformer layers, twice per layer), :func:`pre_norm` returns both from one function, so
@@ -86,7 +86,7 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.w_out(swiglu(self.w_in(x)))
 
 
-_classes, _feed_forward_getattr = lazy_subclass(
+_classes, __getattr__ = lazy_subclass(
     __name__,
     "FusedFeedForward",
     "metatrain.pet.modules.transformer.FeedForward",
@@ -195,65 +195,3 @@ def pre_norm(x: torch.Tensor, norm: torch.nn.Module) -> tuple:
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     residual, tokens = _PreNormFunction.apply(flat, norm.weight, rms_eps(norm, x.dtype))
     return residual.reshape(x.shape), tokens.reshape(x.shape), None
-
-
-def _feedforward_featurization_impl(self, inputs: dict, use_manual_attention: bool) -> tuple:
-    """``PETBackend._feedforward_featurization_impl`` with each layer's message combination
-    in :func:`combine_messages`: the same modules, in the same order, on the same values
-    (the padding slots aside, each its own reverse here)."""
-    nodes = self.node_embedders[0](inputs["element_indices_nodes"])
-    edges = self.edge_embedder(inputs["element_indices_neighbors"])
-    conditioning = None
-    if self.system_conditioning is not None:
-        conditioning = self.system_conditioning(inputs["charge"], inputs["spin_multiplicity"], inputs["system_indices"])
-    mask = inputs["padding_mask"]
-    slots = torch.arange(mask.numel(), device=mask.device).reshape(mask.shape)
-    reverse = torch.where(mask, inputs["reverse_neighbor_index"], slots)  # the padding its own reverse: an involution
-    layers = (
-        self.combination_norms,
-        self.combination_mlps,
-        self.gnn_layers,
-        self.gnn_layers_post_mp_node,
-        self.gnn_layers_post_mp_edge,
-    )
-    for norm, mlp, gnn_layer, post_node, post_edge in zip(*layers, strict=True):
-        out_nodes, out_edges = gnn_layer(
-            nodes,
-            edges,
-            inputs["element_indices_neighbors"],
-            inputs["edge_vectors"],
-            mask,
-            inputs["edge_distances"],
-            inputs["cutoff_factors"],
-            use_manual_attention,
-        )
-        if conditioning is not None:
-            out_nodes = out_nodes + conditioning
-        combined, summed = combine_messages(out_edges, reverse, norm, residual=edges)  # and edges + out_edges
-        edges = summed + mlp(combined)
-        del combined, summed  # not alive through the next layer
-        nodes, edges = post_node(out_nodes), post_edge(edges)
-    return [nodes], [edges]
-
-
-_backend_classes, _backend_getattr = lazy_subclass(
-    __name__,
-    "FusedPETBackend",
-    "metatrain.pet.modules.backend.PETBackend",
-    _feedforward_featurization_impl=_feedforward_featurization_impl,
-    __doc__="metatrain's PETBackend with its feed-forward featurizer's message combination in :func:`combine_messages`.",
-)
-"""metatrain's ``PETBackend`` and ``FusedPETBackend``, our subclass."""
-
-
-def __getattr__(attribute: str):
-    """Pickling finds either subclass here (:func:`ase_tcfp32._swapping.lazy_subclass`)."""
-    return (_backend_getattr if attribute == "FusedPETBackend" else _feed_forward_getattr)(attribute)
-
-
-def swap_backends(module: torch.nn.Module, enable: bool = True) -> list[str]:
-    """Run the message combination of every metatrain ``PETBackend`` with a feed-forward
-    featurizer in ``module`` through :func:`combine_messages` (``enable=False``: back to
-    metatrain's code); return their names. Idempotent; parameters and state_dict keys are
-    unchanged."""
-    return swap_class(module, *_backend_classes(), enable, takes=lambda child: child.featurizer_type == "feedforward")

@@ -2,8 +2,9 @@
 
 Every ``torch.nn.Linear`` becomes a :class:`ase_tcfp32.layers.TCLinear`; where our
 tensor-core kernels serve the precision on the device, PET's attention, its SwiGLU
-feed-forwards, its message combination and its edge-token compression get our subclasses
-(:mod:`ase_tcfp32._attention`, :mod:`ase_tcfp32._fused`, :mod:`ase_tcfp32._folded`);
+feed-forwards, its message combination, its edge-token compression and its PreLN transformer
+layers get our subclasses (:mod:`ase_tcfp32._attention`, :mod:`ase_tcfp32._fused`,
+:mod:`ase_tcfp32._folded`, :mod:`ase_tcfp32._table`);
 optionally the GNN layers are recomputed in the backward pass and the tensor code compiled.
 """
 
@@ -14,8 +15,9 @@ import torch
 from ._attention import on_tensor_cores, swap_attention_blocks
 from ._compilation import compile_backend
 from ._folded import swap_cartesian_transformers
-from ._fused import swap_backends, swap_feed_forwards
+from ._fused import swap_feed_forwards
 from ._swapping import recompute_gnn_layers
+from ._table import swap_backends, swap_transformer_layers
 from .layers import swap_linear_layers
 
 
@@ -31,7 +33,8 @@ def prepare_model(
 ) -> bool:
     """Make metatrain ``pet`` compute its Linear layers in ``precision`` on ``device`` (or
     through the tensor-core model of GPU ``emulate``), in place, and return whether its
-    attention, SwiGLU, message combination and edge compression run on our kernels.
+    attention, SwiGLU, message combination, edge compression and transformer layers' epilogues
+    run on our kernels.
 
     :param check_accuracy: every this many calls, the accuracy watchdog checks each layer
         (:mod:`ase_tcfp32.watchdog`; 0: never).
@@ -45,6 +48,7 @@ def prepare_model(
     swap_feed_forwards(pet, ours)  # where the attention is ours, so are the SwiGLU
     swap_backends(pet, ours)  # the message combination
     swap_cartesian_transformers(pet, ours)  # and the edge-token compression
+    swap_transformer_layers(pet, ours)  # and the norms, SwiGLU and residuals on metatrain's table
     if low_memory:
         recompute_gnn_layers(pet)
     if compile:

@@ -250,12 +250,13 @@ def test_attention_blocks_on_the_gpu_pair_and_fill_as_python_does():
 
 @pytest.mark.gpu
 def test_tensor_core_attention_in_pet_matches_sdpa_in_every_engine(tiny_ckpt, water192):
-    """tf32x3 with our attention, SwiGLU, message combination and folded compression (the
-    default for FP32-accurate precisions) against the same precision with torch's SDPA and metatrain's
+    """tf32x3 with our attention, SwiGLU, message combination, folded compression and fused
+    transformer layers (the default for FP32-accurate precisions) against the same precision with torch's SDPA and metatrain's
     code: energies, forces and stress to FP32 rounding, eager, compiled and in CUDA graphs."""
     from ase_tcfp32._attention import swap_attention_blocks
     from ase_tcfp32._folded import swap_cartesian_transformers
-    from ase_tcfp32._fused import swap_backends, swap_feed_forwards
+    from ase_tcfp32._fused import swap_feed_forwards
+    from ase_tcfp32._table import swap_backends, swap_transformer_layers
 
     reference = water192.copy()
     reference.calc = TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", engine="metatomic")
@@ -263,6 +264,7 @@ def test_tensor_core_attention_in_pet_matches_sdpa_in_every_engine(tiny_ckpt, wa
     assert swap_backends(reference.calc.pet, False) == ["backend"] and swap_cartesian_transformers(
         reference.calc.pet, False
     )
+    assert swap_transformer_layers(reference.calc.pet, False)
     e0, f0, s0 = reference.get_potential_energy(), reference.get_forces(), reference.get_stress()
     for engine, compile in [("metatomic", False), ("lean", False), ("graphs", False), ("lean", True)]:
         atoms = water192.copy()

@@ -178,6 +178,72 @@ def test_fused_epilogues_in_the_triton_interpreter():
     interpret(INTERPRETED, "interpreter epilogues ok")
 
 
+TABLE = textwrap.dedent(
+    """
+    import copy
+    import torch
+    import ase_tcfp32.layers
+    from ase_tcfp32 import _epilogues
+    from ase_tcfp32._kernels.triton_gemm import TritonBackend
+    from ase_tcfp32._table import swap_transformer_layers
+    from ase_tcfp32.layers import swap_linear_layers
+    from ase_tcfp32.testing import random_pet
+
+    backend = TritonBackend("tf32x3")
+    _epilogues.get_backend = ase_tcfp32.layers.get_backend = lambda precision, device, emulate: backend
+    calls = []
+    fused = backend.fused
+    backend.fused = lambda *a, **kw: calls.append(a[3:]) or fused(*a, **kw)
+    u = 2.0**-24
+    g = torch.Generator().manual_seed(0)
+
+    # a PET-MAD-shaped PreLN layer (RMSNorm, SwiGLU, node features 4x wider than edges), frozen
+    pet = random_pet("tiny", seed=3).requires_grad_(False)
+    exact = copy.deepcopy(pet.backend.gnn_layers[0].trans.layers[0]).double()  # metatrain's, in FP64
+    swap_linear_layers(pet, "tf32x3")
+    plain = pet.backend.gnn_layers[0].trans.layers[0]
+    ours = copy.deepcopy(plain)
+    assert swap_transformer_layers(ours) == [""] and type(ours).__name__ == "FusedTransformerLayer"
+    for norm in (ours.norm_attention, ours.norm_mlp, ours.norm_center_features):  # not all ones
+        norm.weight.copy_(torch.rand(norm.weight.shape, generator=g) + 0.5)
+    plain.load_state_dict(ours.state_dict()), exact.load_state_dict(ours.state_dict())
+    atoms, slots, d, d_node = 40, 7, plain.d_model, exact.center_contraction.in_features
+    nodes, edges = torch.randn(atoms, 1, d_node, generator=g), torch.randn(atoms, slots, d, generator=g)
+    factors = torch.rand(atoms, slots + 1, slots + 1, generator=g)
+    grads = torch.randn(atoms, 1, d_node, generator=g), torch.randn(atoms, slots, d, generator=g)
+
+    def run(layer, dtype, grad):
+        inputs = [t.to(dtype).requires_grad_(grad) for t in (nodes, edges)]
+        with torch.set_grad_enabled(grad):
+            outputs = layer(*inputs, factors.to(dtype), False)
+            if grad:
+                torch.autograd.backward(outputs, [t.to(dtype) for t in grads])
+        return [t.detach().double() for t in outputs] + ([t.grad.double() for t in inputs] if grad else [])
+
+    for grad in (False, True):
+        reference = run(exact, torch.float64, grad)
+        before = len(calls)
+        fused_values, plain_values = run(ours, torch.float32, grad), run(plain, torch.float32, grad)
+        assert len(calls) - before == (5 if not grad else 5), (grad, len(calls) - before)
+        for k, (f, p, r) in enumerate(zip(fused_values, plain_values, reference)):
+            scale = r.abs().max()
+            error, unfused = (f - r).abs().max(), (p - r).abs().max()
+            assert error <= 2 * unfused + 16 * u * scale, (grad, k, float(error), float(unfused))
+    # PostLN layers keep metatrain's code
+    plain.transformer_type = "PostLN"
+    assert swap_transformer_layers(plain) == []
+    print("interpreter table layers ok")
+    """
+)
+
+
+def test_fused_transformer_layers_in_the_triton_interpreter():
+    """metatrain's PreLN layer with its feed-forwards and node update in fused GEMMs
+    (ase_tcfp32._table): outputs and, with gradients, input gradients no further from
+    FP64 than metatrain's own layer in FP32; the fused kernels ran."""
+    interpret(TABLE, "interpreter table layers ok")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["fp16x3", "tf32x3", "bf16x9"])
 def test_fused_epilogues_on_the_gpu(precision):
@@ -268,11 +334,12 @@ def test_fused_silu_everywhere_on_the_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["fp16x3", "tf32x3"])
-def test_fused_pet_is_as_accurate_as_unfused_on_the_gpu(precision):
+@pytest.mark.parametrize("precision, engine", [("fp16x3", "auto"), ("tf32x3", "auto"), ("fp16x3", "metatomic")])
+def test_fused_pet_is_as_accurate_as_unfused_on_the_gpu(precision, engine):
     """PET-S shape, 1,536 water atoms: energies and direct forces and stress with the fused
     layers (no gradient asked) no further from float64 than the unfused layers'; and the
-    conservative forces (fused residuals) too."""
+    conservative forces (fused residuals) too. On packed rows (``auto``) and on metatrain's
+    neighbor table (``metatomic``: :mod:`ase_tcfp32._table`)."""
     import contextlib
     import copy
 
@@ -285,7 +352,7 @@ def test_fused_pet_is_as_accurate_as_unfused_on_the_gpu(precision):
     wanted = ["energy", "energies", "non_conservative_forces", "non_conservative_stress"]
     results = {}
     for name, options in {"fp64": {"dtype": "float64"}, "fused": {}, "unfused": {}}.items():
-        options = options or {"precision": precision}
+        options = (options or {"precision": precision}) | {"engine": engine}
         with _epilogues.unfused() if name == "unfused" else contextlib.nullcontext():  # graphs recorded so
             calc = TCPETCalculator(copy.deepcopy(pet), device="cuda", progress=False, check_accuracy=0, **options)
             results[name] = calc.evaluate([atoms], wanted)[0] | calc.evaluate([atoms])[0]

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from ase_tcfp32._fused import combine_messages, swap_backends, swap_feed_forwards, swiglu
+from ase_tcfp32._fused import combine_messages, swap_feed_forwards, swiglu
+from ase_tcfp32._table import swap_backends, swap_transformer_layers
 
 pytest.importorskip("triton")
 
@@ -63,19 +64,25 @@ def test_the_kernels_refuse_what_they_cannot_take_before_launching():
         kernels.backward(torch.zeros(8, 2), torch.zeros(4, 8).T)
 
 
-def test_the_backend_swap_keeps_parameters_and_state_dict_and_survives_copies(tiny_ckpt):
-    from ase_tcfp32._fused import FusedPETBackend
+def test_the_backend_and_layer_swaps_keep_parameters_and_state_dict_and_survive_copies(tiny_ckpt):
+    from ase_tcfp32._table import FusedPETBackend, FusedTransformerLayer
     from ase_tcfp32.models import load_pet
 
     pet = load_pet(tiny_ckpt)
     keys = list(pet.state_dict())
     assert swap_backends(pet) == ["backend"] and type(pet.backend) is FusedPETBackend
     assert swap_backends(pet) == ["backend"]  # idempotent
+    layers = swap_transformer_layers(pet)
+    assert (
+        layers and layers == swap_transformer_layers(pet) and all(name.endswith(".trans.layers.0") for name in layers)
+    )
     assert list(pet.state_dict()) == keys
     for clone in (copy.deepcopy(pet), pickle.loads(pickle.dumps(pet))):
         assert type(clone.backend) is FusedPETBackend
-    swap_backends(pet, False)
+        assert all(type(clone.get_submodule(name)) is FusedTransformerLayer for name in layers)
+    swap_backends(pet, False), swap_transformer_layers(pet, False)
     assert type(pet.backend).__name__ == "PETBackend"
+    assert all(type(pet.get_submodule(name)).__name__ == "TransformerLayer" for name in layers)
 
 
 def test_a_residual_featurizer_is_left_alone(tiny_ckpt):

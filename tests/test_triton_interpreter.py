@@ -310,7 +310,7 @@ COMBINATION_SCRIPT = SAME_PET_AFTER + textwrap.dedent(
     import sys
     sys.path.insert(0, {os.path.dirname(__file__)!r})
     from helpers import check_combination
-    from ase_tcfp32._fused import swap_backends
+    from ase_tcfp32._table import swap_backends
 
     check_combination("cpu")
 
