@@ -22,6 +22,7 @@ import warnings
 import torch
 from torch.autograd.function import once_differentiable
 
+from ._epilogues import linear
 from ._kernels.context import INTERPRETED
 from ._swapping import lazy_subclass, swap_class
 from .precision import FP32_ACCURATE, triton_build_problem
@@ -177,12 +178,15 @@ def packed_attention_in_torch(
     return out, y[:, 0]
 
 
-def _forward(self, x: torch.Tensor, cutoff_factors: torch.Tensor, use_manual_attention: bool) -> torch.Tensor:
-    """``AttentionBlock.forward`` through :func:`tc_attention` (see the module docstring)."""
+def _forward(
+    self, x: torch.Tensor, cutoff_factors: torch.Tensor, use_manual_attention: bool, norm: torch.nn.Module | None = None
+) -> torch.Tensor:
+    """``AttentionBlock.forward`` through :func:`tc_attention` (see the module docstring) of
+    ``norm(x)`` when a ``norm`` module is given, folded into the input projection's GEMM
+    where it can be (:func:`ase_tcfp32._epilogues.linear`)."""
     atoms, tokens, _ = x.shape
-    if use_manual_attention or not (x.is_cuda or INTERPRETED) or x.dtype != torch.float32:
-        return super(type(self), self).forward(x, cutoff_factors, use_manual_attention)
-    if tokens > self._max_tokens:
+    fallback = use_manual_attention or not (x.is_cuda or INTERPRETED) or x.dtype != torch.float32
+    if not fallback and tokens > self._max_tokens:
         if not self._warned_fallback:
             why = (
                 f"heads of {self.head_dim} are wider than the kernels' 64"
@@ -192,8 +196,10 @@ def _forward(self, x: torch.Tensor, cutoff_factors: torch.Tensor, use_manual_att
             )
             warnings.warn(f"PET attention runs in torch's FP32 SDPA here: {why}", stacklevel=2)
             self._warned_fallback = True
-        return super(type(self), self).forward(x, cutoff_factors, use_manual_attention)
-    qkv = self.input_linear(x)
+        fallback = True
+    if fallback:
+        return super(type(self), self).forward(x if norm is None else norm(x), cutoff_factors, use_manual_attention)
+    qkv = linear(self.input_linear, x, norm=norm)
     mask = torch.log(torch.clamp(cutoff_factors, self.epsilon))
     out = tc_attention(qkv, mask, self.num_heads, 1.0 / (self.head_dim**0.5 * self.temperature))
     return self.output_linear(out)
@@ -204,6 +210,7 @@ _classes, __getattr__ = lazy_subclass(
     "TCAttentionBlock",
     "metatrain.pet.modules.transformer.AttentionBlock",
     _warned_fallback=False,
+    takes_norm=True,  # forward(x, cutoff_factors, use_manual_attention, norm): see _forward
     forward=_forward,
     __doc__="metatrain's AttentionBlock with its attention in :func:`tc_attention`.",
 )

@@ -16,22 +16,26 @@ changes) that computes the same expression in metatrain's order with:
 - ``x + mlp(norm(x))`` for both feed-forwards through :func:`ase_tcfp32._epilogues.feed_forward`:
   without gradients the norm folded into the input projection, SwiGLU and the residual in
   the kernels' epilogues; with gradients :func:`ase_tcfp32._fused.pre_norm` (one backward
-  kernel for the norm and the residual) and the SwiGLU in the first layer's kernel.
+  kernel for the norm and the residual) and the SwiGLU in the first layer's kernel;
+- the attention's norm, without gradients, folded into its input projection (a
+  ``TCAttentionBlock``, :mod:`ase_tcfp32._attention`, takes the norm; metatrain's block
+  gets the normed tokens).
 
-The attention block (:mod:`ase_tcfp32._attention`) and its norm are metatrain's calls.
 :func:`swap_backends` turns a model's ``PETBackend`` with a feed-forward featurizer into a
 ``FusedPETBackend`` whose featurizer normalises each message next to its reverse pair's,
 ``LayerNorm(cat(o, o[reverse]))``, in :func:`ase_tcfp32._fused.combine_messages` (with the
-residual ``edges + o``) and runs the combination MLP through
-:func:`ase_tcfp32._epilogues.combination` (its SiLU and residual in the GEMMs). Where no kernel fuses (CPU, ``fp32``, ``torch.compile``, a LayerNorm...) each epilogue runs
-its steps one by one, as metatrain writes them.
+residual ``edges + o``), runs the combination MLP through
+:func:`ase_tcfp32._epilogues.combination` (its SiLU and residual in the GEMMs) and the heads
+through :func:`ase_tcfp32._epilogues.head` (their SiLUs in the GEMMs). Where no kernel
+fuses (CPU, ``fp32``, ``torch.compile``, a LayerNorm...) each epilogue runs its steps one by
+one, as metatrain writes them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._epilogues import combination, feed_forward, linear
+from ._epilogues import combination, feed_forward, head, linear
 from ._fused import combine_messages, pre_norm
 from ._swapping import lazy_subclass, swap_class
 
@@ -44,7 +48,10 @@ def _forward_pre_ln_impl(
     epilogues (see the module doc)."""
     centers = self.center_contraction(node_embeddings) if self.expanded_node_features else node_embeddings
     tokens = torch.cat([centers, edge_embeddings], dim=1)
-    new_tokens = self.attention(self.norm_attention(tokens), cutoff_factors, use_manual_attention)
+    if getattr(self.attention, "takes_norm", False):  # ours: the norm folded into its input projection
+        new_tokens = self.attention(tokens, cutoff_factors, use_manual_attention, self.norm_attention)
+    else:
+        new_tokens = self.attention(self.norm_attention(tokens), cutoff_factors, use_manual_attention)
     out_nodes, out_edges = torch.split(new_tokens, [1, new_tokens.shape[1] - 1], dim=1)
     if self.expanded_node_features:
         out_nodes = linear(self.center_expansion, out_nodes, residual=node_embeddings)
@@ -111,12 +118,26 @@ def _feedforward_featurization_impl(self, inputs: dict, use_manual_attention: bo
     return [nodes], [edges]
 
 
+def _calculate_last_layer_features(self, node_features_list: list, edge_features_list: list) -> tuple:
+    """``PETBackend._calculate_last_layer_features``: every head on its layer's node and
+    edge features, through :func:`ase_tcfp32._epilogues.head` (its SiLUs in the GEMMs where
+    no gradient is asked)."""
+
+    def apply(heads, features: list) -> dict:
+        return {
+            name: [head(layers, x) for layers, x in zip(layers_list, features)] for name, layers_list in heads.items()
+        }
+
+    return apply(self.node_heads, node_features_list), apply(self.edge_heads, edge_features_list)
+
+
 _backend_classes, _backend_getattr = lazy_subclass(
     __name__,
     "FusedPETBackend",
     "metatrain.pet.modules.backend.PETBackend",
     _feedforward_featurization_impl=_feedforward_featurization_impl,
-    __doc__="metatrain's PETBackend with its feed-forward featurizer's message combination in :func:`combine_messages`.",
+    _calculate_last_layer_features=_calculate_last_layer_features,
+    __doc__="metatrain's PETBackend with its message combination in :func:`combine_messages` and fused GEMMs, and fused heads.",
 )
 """metatrain's ``PETBackend`` and ``FusedPETBackend``, our subclass."""
 

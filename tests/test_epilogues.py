@@ -185,7 +185,8 @@ TABLE = textwrap.dedent(
     import ase_tcfp32.layers
     from ase_tcfp32 import _epilogues
     from ase_tcfp32._kernels.triton_gemm import TritonBackend
-    from ase_tcfp32._table import swap_transformer_layers
+    from ase_tcfp32._attention import swap_attention_blocks
+    from ase_tcfp32._table import swap_backends, swap_transformer_layers
     from ase_tcfp32.layers import swap_linear_layers
     from ase_tcfp32.testing import random_pet
 
@@ -199,8 +200,10 @@ TABLE = textwrap.dedent(
 
     # a PET-MAD-shaped PreLN layer (RMSNorm, SwiGLU, node features 4x wider than edges), frozen
     pet = random_pet("tiny", seed=3).requires_grad_(False)
-    exact = copy.deepcopy(pet.backend.gnn_layers[0].trans.layers[0]).double()  # metatrain's, in FP64
+    exact_backend = copy.deepcopy(pet.backend).double()  # metatrain's, in FP64
+    exact = exact_backend.gnn_layers[0].trans.layers[0]
     swap_linear_layers(pet, "tf32x3")
+    assert swap_attention_blocks(pet)  # ours takes the layer's norm
     plain = pet.backend.gnn_layers[0].trans.layers[0]
     ours = copy.deepcopy(plain)
     assert swap_transformer_layers(ours) == [""] and type(ours).__name__ == "FusedTransformerLayer"
@@ -223,12 +226,30 @@ TABLE = textwrap.dedent(
     for grad in (False, True):
         reference = run(exact, torch.float64, grad)
         before = len(calls)
-        fused_values, plain_values = run(ours, torch.float32, grad), run(plain, torch.float32, grad)
-        assert len(calls) - before == (5 if not grad else 5), (grad, len(calls) - before)
+        fused_values = run(ours, torch.float32, grad)
+        # node expansion, both feed-forwards' two layers; the attention's normed projection without gradients
+        assert len(calls) - before == (6 if not grad else 5), (grad, len(calls) - before)
+        plain_values = run(plain, torch.float32, grad)
         for k, (f, p, r) in enumerate(zip(fused_values, plain_values, reference)):
             scale = r.abs().max()
             error, unfused = (f - r).abs().max(), (p - r).abs().max()
             assert error <= 2 * unfused + 16 * u * scale, (grad, k, float(error), float(unfused))
+    # the heads (Linear, SiLU, Linear, SiLU) of the swapped backend: their SiLUs in the GEMMs
+    plain_heads = type(pet.backend)._calculate_last_layer_features
+    assert swap_backends(pet) == ["backend"]
+    features = [torch.randn(atoms, d_node, generator=g)], [torch.randn(atoms, slots, d, generator=g)]
+    with torch.no_grad():
+        before = len(calls)
+        fused_heads = pet.backend._calculate_last_layer_features(*features)
+        assert len(calls) - before == 2 * 2 * 3  # two layers of node and edge heads, three targets
+        plain_values = plain_heads(pet.backend, *features)
+        exact_values = plain_heads(exact_backend, *([t.double() for t in f] for f in features))
+    for which in range(2):
+        assert fused_heads[which].keys() == plain_values[which].keys() == exact_values[which].keys()
+        for name in exact_values[which]:
+            (f,), (p,), (r,) = fused_heads[which][name], plain_values[which][name], exact_values[which][name]
+            error, unfused = (f.double() - r).abs().max(), (p.double() - r).abs().max()
+            assert error <= 2 * unfused + 16 * u * r.abs().max(), (which, name, float(error), float(unfused))
     # PostLN layers keep metatrain's code
     plain.transformer_type = "PostLN"
     assert swap_transformer_layers(plain) == []
@@ -238,9 +259,10 @@ TABLE = textwrap.dedent(
 
 
 def test_fused_transformer_layers_in_the_triton_interpreter():
-    """metatrain's PreLN layer with its feed-forwards and node update in fused GEMMs
-    (ase_tcfp32._table): outputs and, with gradients, input gradients no further from
-    FP64 than metatrain's own layer in FP32; the fused kernels ran."""
+    """metatrain's PreLN layer with its attention's norm, feed-forwards and node update in
+    fused GEMMs, and the backend's heads with their SiLUs fused (ase_tcfp32._table):
+    outputs and, with gradients, input gradients no further from FP64 than metatrain's
+    own code in FP32; the fused kernels ran."""
     interpret(TABLE, "interpreter table layers ok")
 
 
