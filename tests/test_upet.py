@@ -106,6 +106,32 @@ def test_direct_forces_bring_the_direct_stress_of_a_periodic_system(pet, water):
     assert "stress" not in molecule.calc.results
 
 
+def test_the_metatomic_engine_reads_energy_and_direct_heads_from_one_model_call(pet, water):
+    """With direct forces and stress (and no conservative result asked) the energy comes from
+    the direct heads' forward pass: one model call per evaluation, not one for the energy
+    and one for the heads; the same energy, energies and direct results as asked apart."""
+    calc = calculator(pet, engine="metatomic", non_conservative=True)
+    calls = []
+    calc.pet.backend.edge_embedder.register_forward_hook(lambda *args: calls.append(1))
+    atoms = water.copy()
+    atoms.calc = calc
+    forces, stress, energy = atoms.get_forces(), atoms.get_stress(), atoms.get_potential_energy()
+    assert len(calls) == 1
+    plain = calculator(pet, engine="metatomic")
+    assert close(energy, plain.get_potential_energy(water))
+    apart = plain.evaluate([water], ["non_conservative_forces", "non_conservative_stress"])[0]
+    assert close(forces, apart["non_conservative_forces"]) and close(stress, apart["non_conservative_stress"])
+    structures = [water, water.copy()]
+    structures[1].rattle(0.02, seed=5)
+    calls.clear()
+    batch = calc.evaluate(structures, ["energy", "energies", "forces"])
+    assert len(calls) == 1
+    for result, atoms in zip(batch, structures):
+        assert close(result["energy"], plain.get_potential_energy(atoms)) and close(
+            result["energies"].sum(), result["energy"]
+        )
+
+
 @pytest.mark.parametrize("setting", ["forces", "stress"])
 def test_one_direct_quantity_leaves_the_other_conservative(pet, water, setting):
     atoms = water.copy()
