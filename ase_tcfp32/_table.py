@@ -26,12 +26,15 @@ changes) that computes the same expression in metatrain's order with:
 ``LayerNorm(cat(o, o[reverse]))``, in :func:`ase_tcfp32._fused.combine_messages` (with the
 residual ``edges + o``), runs the combination MLP through
 :func:`ase_tcfp32._epilogues.combination` (its SiLU and residual in the GEMMs) and the heads
-through :func:`ase_tcfp32._epilogues.head` (their SiLUs in the GEMMs). Where no kernel
+through :func:`ase_tcfp32._epilogues.head` (their SiLUs in the GEMMs; only the heads whose
+outputs are read: :class:`HeadFeatures`). Where no kernel
 fuses (CPU, ``fp32``, ``torch.compile``, a LayerNorm...) each epilogue runs its steps one by
 one, as metatrain writes them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 
@@ -118,17 +121,36 @@ def _feedforward_featurization_impl(self, inputs: dict, use_manual_attention: bo
     return [nodes], [edges]
 
 
+class HeadFeatures(Mapping):
+    """Each head's last-layer features (a list: one tensor per readout layer) by output name,
+    computed through :func:`ase_tcfp32._epilogues.head` when first read. metatrain's
+    ``PETBackend.predict`` asks for every head's features, then reads those of the outputs
+    requested (an energy-only call of PET-MAD: the energy head's, not the direct force and
+    stress heads'), so the others are never computed."""
+
+    def __init__(self, heads: torch.nn.ModuleDict, features: list[torch.Tensor]):
+        self._heads, self._features, self._computed = heads, features, {}
+
+    def __getitem__(self, name: str) -> list[torch.Tensor]:
+        if name not in self._computed:
+            self._computed[name] = [head(layers, x) for layers, x in zip(self._heads[name], self._features)]
+        return self._computed[name]
+
+    def __iter__(self):
+        return iter(self._heads.keys())
+
+    def __len__(self) -> int:
+        return len(self._heads)
+
+
 def _calculate_last_layer_features(self, node_features_list: list, edge_features_list: list) -> tuple:
     """``PETBackend._calculate_last_layer_features``: every head on its layer's node and
     edge features, through :func:`ase_tcfp32._epilogues.head` (its SiLUs in the GEMMs where
-    no gradient is asked)."""
-
-    def apply(heads, features: list) -> dict:
-        return {
-            name: [head(layers, x) for layers, x in zip(layers_list, features)] for name, layers_list in heads.items()
-        }
-
-    return apply(self.node_heads, node_features_list), apply(self.edge_heads, edge_features_list)
+    no gradient is asked), each computed when first read (:class:`HeadFeatures`); inside
+    ``torch.compile``, metatrain's own code (every head, in plain dicts)."""
+    if torch.compiler.is_compiling():
+        return super(type(self), self)._calculate_last_layer_features(node_features_list, edge_features_list)
+    return HeadFeatures(self.node_heads, node_features_list), HeadFeatures(self.edge_heads, edge_features_list)
 
 
 _backend_classes, _backend_getattr = lazy_subclass(

@@ -240,7 +240,9 @@ TABLE = textwrap.dedent(
     features = [torch.randn(atoms, d_node, generator=g)], [torch.randn(atoms, slots, d, generator=g)]
     with torch.no_grad():
         before = len(calls)
-        fused_heads = pet.backend._calculate_last_layer_features(*features)
+        lazy = pet.backend._calculate_last_layer_features(*features)
+        assert len(calls) == before  # computed when read (HeadFeatures)
+        fused_heads = [dict(heads) for heads in lazy]
         assert len(calls) - before == 2 * 2 * 3  # two layers of node and edge heads, three targets
         plain_values = plain_heads(pet.backend, *features)
         exact_values = plain_heads(exact_backend, *([t.double() for t in f] for f in features))

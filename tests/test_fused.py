@@ -200,3 +200,34 @@ def test_pre_norm_matches_fp64():
     from helpers import check_pre_norm
 
     check_pre_norm("cuda")
+
+
+def test_the_swapped_backend_computes_only_the_heads_that_are_read(water):
+    """metatrain's ``predict`` asks for every head's last-layer features, then reads those of
+    the outputs requested: through the swapped backend an energy-only or conservative call
+    of a PET with direct heads runs the energy head alone, a direct one (forces and stress
+    of a periodic system) all three; energies and forces as metatrain's."""
+    from metatomic_ase import MetatomicCalculator
+
+    from ase_tcfp32.testing import random_pet
+
+    pet = random_pet("tiny", seed=3, atomic_types=[1, 8]).eval()
+
+    def evaluate(model, direct):
+        atoms = water.copy()
+        atoms.calc = MetatomicCalculator(model.export(), device="cpu", non_conservative=direct)
+        return atoms.get_potential_energy(), atoms.get_forces()
+
+    expected = {direct: evaluate(copy.deepcopy(pet), direct) for direct in (False, True)}
+    assert swap_backends(pet) == ["backend"]
+    read = set()
+    for name, heads in pet.backend.edge_heads.items():
+        heads[0][0].register_forward_hook(lambda *args, name=name: read.add(name))
+    everything = set(pet.backend.edge_heads.keys())
+    assert everything == {"energy", "non_conservative_force", "non_conservative_stress"}
+    for direct, heads in ((False, {"energy"}), (True, everything)):
+        read.clear()
+        energy, forces = evaluate(pet, direct)
+        assert read == heads, direct
+        assert abs(energy - expected[direct][0]) <= 1e-5 * abs(expected[direct][0])
+        assert np.abs(forces - expected[direct][1]).max() <= 1e-5 * np.abs(expected[direct][1]).max()
