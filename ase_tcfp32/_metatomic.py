@@ -98,8 +98,8 @@ class MetatomicEngine:
         grad = "forces" in properties or "stress" in properties
         self.uncertainty.check(name for name in LLPR_OUTPUTS if name in properties)
         direct = [name for name in DIRECT if name in properties or f"{name}_ensemble" in properties]
-        features = "energy_features" in properties or "energy_uncertainty" in properties
-        if direct and not grad and not features:  # the energy from the direct heads' pass: one model call
+        alone = {"energy", "energies", *DIRECT, *(f"{name}_ensemble" for name in DIRECT)}
+        if direct and set(properties) <= alone:  # the energy from the direct heads' pass: one model call
             return self._direct_only(structures, properties, direct)
         results = self._run(self.calculator, structures, properties, grad, "stress" in properties)
         if "energy_features" in properties or "energy_uncertainty" in properties:
