@@ -95,12 +95,26 @@ class MetatomicEngine:
             if unknown:
                 raise ValueError(f"with weights, the metatomic engine computes no {', '.join(unknown)}")
             return [self.weighted(atoms, np.asarray(w, float), properties) for atoms, w in zip(structures, weights)]
-        grad = "forces" in properties or "stress" in properties
         self.uncertainty.check(name for name in LLPR_OUTPUTS if name in properties)
         direct = [name for name in DIRECT if name in properties or f"{name}_ensemble" in properties]
         alone = {"energy", "energies", *DIRECT, *(f"{name}_ensemble" for name in DIRECT)}
-        if direct and set(properties) <= alone:  # the energy from the direct heads' pass: one model call
-            return self._direct_only(structures, properties, direct)
+        one_pass = bool(direct) and set(properties) <= alone  # the energy from the direct heads' pass
+        answers = self._direct_run(structures, direct, properties if one_pass else ()) if direct else []
+        if one_pass:
+            results = [{key: answer[key] for key in ("energy", "energies") if key in answer} for answer in answers]
+        else:
+            results = self._conservative(structures, properties)
+        for result, answer in zip(results, answers):
+            result.update({name: answer[DIRECT[name]] for name in direct if DIRECT[name] in answer})
+        ensembles = [name for name in DIRECT_ENSEMBLES if name in properties]
+        for result, atoms in zip(results, structures) if ensembles else ():
+            result.update(self._direct_members(atoms, result, ensembles))
+        return results
+
+    def _conservative(self, structures: list[Atoms], properties) -> list[dict]:
+        """:meth:`compute`'s results of metatomic-ase's conservative calculator: energy,
+        energies, forces and stress as asked, and the energy's LLPR outputs."""
+        grad = "forces" in properties or "stress" in properties
         results = self._run(self.calculator, structures, properties, grad, "stress" in properties)
         if "energy_features" in properties or "energy_uncertainty" in properties:
             for result, atoms in zip(results, structures):
@@ -115,37 +129,18 @@ class MetatomicEngine:
                 result.update(
                     {key: value for key, value in members.items() if "stress" in properties or "forces" in key}
                 )
-        if direct:
-            for result, answer in zip(results, self._direct_run(structures, direct)):
-                result.update({name: answer[DIRECT[name]] for name in direct if DIRECT[name] in answer})
-        return self._with_direct_ensembles(results, structures, properties)
+        return results
 
     def _direct_run(self, structures: list[Atoms], direct: list[str], properties=()) -> list[dict]:
         """The calculator reading the ``direct`` heads (made when first asked) on
         ``structures``: its energy (and ``energies`` where in ``properties``) with the heads'
-        forces and stress under metatomic-ase's names."""
+        forces and stress under metatomic-ase's names: in one model call, all that
+        :meth:`compute` needs where nothing else is asked."""
         setting = True if len(direct) == 2 else DIRECT[direct[0]]
         if setting not in self._direct:
             self._direct[setting] = self._calculator(setting)
         wanted = [DIRECT[name] for name in direct] + (["energies"] if "energies" in properties else [])
         return self._run(self._direct[setting], structures, wanted, True, "stress" in wanted)
-
-    def _direct_only(self, structures: list[Atoms], properties, direct: list[str]) -> list[dict]:
-        """:meth:`compute` where only the energy and the ``direct`` heads are asked: all from
-        the direct heads' forward pass (the same model, so the same energy), not one pass
-        each."""
-        results = []
-        for answer in self._direct_run(structures, direct, properties):
-            result = {key: answer[key] for key in ("energy", "energies") if key in answer}
-            results.append(result | {name: answer[DIRECT[name]] for name in direct if DIRECT[name] in answer})
-        return self._with_direct_ensembles(results, structures, properties)
-
-    def _with_direct_ensembles(self, results: list[dict], structures: list[Atoms], properties) -> list[dict]:
-        """``results`` with the direct heads' ensembles asked in ``properties``."""
-        ensembles = [name for name in DIRECT_ENSEMBLES if name in properties]
-        for result, atoms in zip(results, structures) if ensembles else ():
-            result.update(self._direct_members(atoms, result, ensembles))
-        return results
 
     def weighted(self, atoms: Atoms, weights: np.ndarray, properties) -> dict:
         """``energy`` = sum of ``weights`` [n] times the per-atom ``energies`` [n] (eV) of
