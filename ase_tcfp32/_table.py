@@ -114,9 +114,9 @@ def _feedforward_featurization_impl(self, inputs: dict, use_manual_attention: bo
         )
         if conditioning is not None:
             out_nodes = out_nodes + conditioning
-        combined, summed = combine_messages(out_edges, reverse, norm, residual=edges)  # and edges + out_edges
-        edges = combination(mlp, combined, summed)  # summed + mlp(combined), its SiLU and residual in the GEMMs
-        del combined, summed  # not alive through the next layer
+        # the combination's input and its residual edges + out_edges, from one kernel (not kept
+        # alive through the next layer), then its MLP with the SiLU and the residual in the GEMMs
+        edges = combination(mlp, *combine_messages(out_edges, reverse, norm, residual=edges))
         nodes, edges = post_node(out_nodes), post_edge(edges)
     return [nodes], [edges]
 
