@@ -305,6 +305,7 @@ def profile_step() -> str:
             r["kind"],
             f"{r['wall_ms']:.1f}",
             f"{r['gpu_busy_ms']:.1f}",
+            f"{r['idle_ms_per_step']:.1f}" if "idle_ms_per_step" in r else "",
             f"{r['kernels_per_step']:.0f}",
         ]
         for r in data["rows"]
@@ -317,6 +318,7 @@ def profile_step() -> str:
         "step",
         "wall ms per step",
         "GPU busy ms",
+        "GPU idle ms (gaps >= 10 µs, `--gaps`)",
         "kernels per step",
     ]
     return table(head, out) + "\n\n" + measured(data)
