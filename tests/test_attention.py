@@ -2,12 +2,15 @@
 on the GPU (``gpu``-marked) the kernels against torch FP32 SDPA and FP64, and in PET."""
 
 import copy
+import os
 import pickle
+import textwrap
 
 import numpy as np
 import pytest
 import torch
 from helpers import rel_error
+from test_triton_interpreter import interpret
 
 from ase_tcfp32 import TCPETCalculator
 from ase_tcfp32._attention import on_tensor_cores, swap_attention_blocks
@@ -207,6 +210,109 @@ def test_packed_attention_is_as_accurate_as_torch_fp32(head_dim):
         out[first[5] : first[5] + counts[5]], values.expand(int(counts[5]), -1)
     )
     assert not out[total:].any() and not results["ours"][2][total:].any() and not results["ours"][4][total:].any()
+
+
+def check_head_groups(device: str) -> None:
+    """The packed kernels with each block's 8 heads in 1, 2 and 8 programs (and as many as
+    :func:`head_groups` picks: 8 for so few blocks) on PET-like sequences (12-40 neighbors, an
+    atom without any, one whose neighbors are all masked, 5 spare edge rows), heads of 16 and
+    32: the outputs and qkv gradients bit for bit those of one program, the bias gradient
+    within the float32 roundings of another order of the heads' sums (of the float64 heads'
+    terms), the same bits when run again, all within 64 T units of 2^-24 of float64, and
+    zero in the spare rows."""
+    from ase_tcfp32._attention import packed_attention_in_torch
+    from ase_tcfp32._kernels.attention import Sequences, backward_packed, forward_packed
+
+    g = torch.Generator(device).manual_seed(0)
+    u, heads, tokens = 2.0**-24, 8, 42
+    counts = torch.tensor([40, 0, 24, 31, 12, 37, 28], device=device)
+    atoms, first, total = len(counts), torch.cumsum(counts, 0) - counts, int(counts.sum())
+    sequences = Sequences(first, counts, torch.tensor(total, device=device), tokens)
+    for dim in (16, 32):
+        scale = dim**-0.5
+        qkv = torch.randn(total + 5, 3 * heads * dim, device=device, generator=g)
+        node_qkv = torch.randn(atoms, 3 * heads * dim, device=device, generator=g)
+        bias = torch.log(torch.rand(total + 5, device=device, generator=g).clamp_min(1e-15))
+        bias[first[5] : first[5] + counts[5]] = float("-inf")
+        grads = (
+            torch.randn(total + 5, heads * dim, device=device, generator=g),
+            torch.randn(atoms, heads * dim, device=device, generator=g),
+        )
+        found = {}
+        for groups in (1, 2, 8, None):
+            outputs = forward_packed(qkv, node_qkv, bias, sequences, heads, scale, groups=groups)
+            found[groups] = [
+                *outputs,
+                *backward_packed(*grads, qkv, node_qkv, bias, sequences, heads, scale, groups=groups),
+            ]
+        again = backward_packed(*grads, qkv, node_qkv, bias, sequences, heads, scale, groups=8)
+        assert all(torch.equal(a, b) for a, b in zip(again, found[8][2:], strict=True))
+        inputs = [t.double().requires_grad_() for t in (qkv, node_qkv, bias)]
+        exact = packed_attention_in_torch(*inputs, sequences, heads, scale)
+        torch.autograd.backward(exact, [t.double() for t in grads])
+        exact = [e.detach() for e in exact] + [t.grad for t in inputs]
+        terms = 0  # each edge's sum over the heads of the magnitudes of its bias gradient in each
+        for h in range(heads):
+            alone = torch.zeros(heads * dim, dtype=torch.bool, device=device)
+            alone[h * dim : (h + 1) * dim] = True  # head h's output gradients only
+            outputs = packed_attention_in_torch(*inputs, sequences, heads, scale)
+            (term,) = torch.autograd.grad(outputs, inputs[2], [torch.where(alone, t, 0).double() for t in grads])
+            terms = terms + term.abs()
+        one = found[1]
+        for groups, results in found.items():
+            assert all(torch.equal(a, b) for a, b in zip(results[:4], one[:4], strict=True)), (dim, groups)
+            assert ((results[4] - one[4]).abs() <= 2 * heads * u * terms).all(), (dim, groups)
+            for ours, reference, rows in zip(results, exact, (total, atoms, total, atoms, total), strict=True):
+                assert rel_error(ours[:rows], reference[:rows]) < 64 * tokens * u, (dim, groups)
+            assert not results[0][total:].any() and not results[2][total:].any() and not results[4][total:].any()
+
+
+def test_packed_attention_head_groups_in_the_triton_interpreter():
+    """:func:`check_head_groups` under Triton's interpreter (CPU)."""
+    interpret(
+        textwrap.dedent(
+            f"""
+            import sys
+            sys.path.insert(0, {os.path.dirname(__file__)!r})
+            from test_attention import check_head_groups
+
+            check_head_groups("cpu")
+            print("interpreter head groups ok")
+            """
+        ),
+        "interpreter head groups ok",
+    )
+
+
+@pytest.mark.gpu
+def test_packed_attention_head_groups_on_the_gpu():
+    """:func:`check_head_groups` compiled for the GPU."""
+    check_head_groups("cuda")
+
+
+def test_the_heads_split_into_groups_only_when_the_blocks_cannot_fill_the_gpu():
+    """One group from two programs per multiprocessor on (132 counted for CPU tensors), else
+    the fewest groups that divide the heads and reach it, at most one a head; a padded
+    head's backward one a head at every size; no others."""
+    from ase_tcfp32._kernels.attention import Sequences, forward_packed, head_groups
+
+    cpu = torch.device("cpu")
+    assert [head_groups(slots, 8, cpu) for slots in (17280, 264, 263, 132, 66, 65, 1)] == [1, 1, 2, 2, 4, 8, 8]
+    assert [head_groups(slots, 6, cpu) for slots in (100, 88, 87, 1)] == [3, 3, 6, 6]
+    assert [head_groups(slots, 8, cpu, padded_backward=True) for slots in (17280, 1)] == [8, 8]
+    counts = torch.tensor([3, 4])
+    sequences = Sequences(torch.tensor([0, 3]), counts, torch.tensor(7), 5)
+    for groups in (0, 3):
+        with pytest.raises(ValueError, match=f"{groups} groups of 8 heads"):
+            forward_packed(
+                torch.zeros(7, 3 * 8 * 16),
+                torch.zeros(2, 3 * 8 * 16),
+                torch.zeros(7),
+                sequences,
+                8,
+                0.25,
+                groups=groups,
+            )
 
 
 @pytest.mark.gpu
