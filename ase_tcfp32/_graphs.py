@@ -39,12 +39,12 @@ def _no_garbage_collection():
 class Graph:
     """``step(*inputs)`` recorded on ``device`` for tensors of the shapes of ``inputs``.
 
-    :param step: a function of tensors returning a dict of tensors (the recorded outputs,
-        overwritten by every replay).
+    :param step: a function of tensors returning tensors (the recorded outputs, in any
+        container, overwritten by every replay).
     :param inputs: example inputs; copies become the graph's input buffers.
     """
 
-    def __init__(self, step: Callable[..., dict], inputs: tuple, device: torch.device):
+    def __init__(self, step: Callable, inputs: tuple, device: torch.device):
         self.inputs = tuple(t.clone() for t in inputs)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -58,7 +58,7 @@ class Graph:
             with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
                 self.outputs = step(*self.inputs)
 
-    def replay(self, *inputs) -> dict:
+    def replay(self, *inputs):
         """The recorded outputs for ``inputs`` (same shapes, dtypes and device as recorded)."""
         for static, new in zip(self.inputs, inputs):
             static.copy_(new)

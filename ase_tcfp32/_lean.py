@@ -42,7 +42,7 @@ from ._heads import ENERGY, FORCE, LLPR, STRESS, Heads, direct_output, per_struc
 from ._inputs import Kept, neighbor_table, packed_rows
 from ._kernels.context import cutoff_kernel_usable
 from ._neighbors import PairTerms, Structures, VerletList, pair_vectors, round_up, virials
-from ._results import per_structure, to_host
+from ._results import Flat, per_structure
 from ._uncertainty import LLPR_OUTPUTS, Uncertainty, features_for
 
 _FAR = 1.0e6
@@ -296,9 +296,9 @@ class LeanPET:
         stress: bool,
         direct: tuple[str, ...],
         llpr: tuple[str, ...] = (),
-    ) -> dict:
-        """One evaluation on the device, as tensors: per-structure energies [S] (sums of the per-atom
-        energies [N] times their ``weights`` [N]); with ``grad`` the forces [N, 3] (with ``stress`` each
+    ) -> Flat:
+        """One evaluation on the device, its results packed (:class:`~ase_tcfp32._results.Flat`):
+        per-structure energies [S] (sums of the per-atom energies [N] times their ``weights`` [N]); with ``grad`` the forces [N, 3] (with ``stress`` each
         structure's strain derivative [S, 3, 3]) from one backward pass of those sums; the ``direct``
         heads' forces [N, 3] (net force removed per structure) and stress [S, 3, 3], same forward pass;
         the ``llpr`` outputs of the heads' last-layer features (:meth:`ase_tcfp32._uncertainty.Uncertainty.outputs`)."""
@@ -322,7 +322,7 @@ class LeanPET:
             if llpr:
                 virial = functools.partial(virials, pairs=self.pairs, count=count) if stress else None
                 out.update(self.uncertainty.outputs(llpr, found, out, positions, system, vectors, virial))
-        return out
+        return Flat.of(out)  # packed in the step: a recorded graph packs them too
 
     # ----- the engine interface -----------------------------------------------------------
 
@@ -360,7 +360,7 @@ class LeanPET:
                 with torch.enable_grad():  # the step's grad mode: with compile=True, no second compilation
                     most = int(self.neighbor_table(pair_vectors(positions, self.pairs), numbers, self.columns)[1])
             self._set_width(most + MARGIN)
-        host = to_host(self._evaluate(positions, cells, numbers, system, weights, flags))
+        host = self._evaluate(positions, cells, numbers, system, weights, flags).to_host()
         most, total = map(int, host.pop("sizes"))
         if most > self.width or total > self.rows:  # an atom outgrew the table, or the pairs the rows: redo the step
             if most > self.width:
@@ -368,7 +368,7 @@ class LeanPET:
                 self.widenings += 1
             if total > self.rows:
                 self._set_rows(total)
-            host = to_host(self._evaluate(positions, cells, numbers, system, weights, flags))  # same counts, any sizes
+            host = self._evaluate(positions, cells, numbers, system, weights, flags).to_host()  # same counts, any sizes
             host.pop("sizes")
         return per_structure(host, structures)
 
@@ -380,7 +380,7 @@ class LeanPET:
         positions = torch.from_numpy(batch.positions).to(self.device, self.dtype)
         return self._kept_pairs(pair_vectors(positions, self.pairs).detach(), positions.shape[0]).counts
 
-    def _evaluate(self, positions, cells, numbers, system, weights, flags: dict) -> dict:
+    def _evaluate(self, positions, cells, numbers, system, weights, flags: dict) -> Flat:
         """One :meth:`_step` with ``flags``: eager, or replaying the graph recorded (once) for them."""
         due = self.check_every and self.evaluations % self.check_every == 0
         self.evaluations += 1

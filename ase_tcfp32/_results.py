@@ -3,11 +3,14 @@
 The lean engine computes all structures of a call at once: per-atom quantities for all
 their atoms one after another, per-structure ones in a row each. :func:`per_structure`
 splits them into one dict per structure, in ASE's conventions (float64 numpy arrays, the
-strain derivatives over each 3D-periodic structure's volume as stress); :func:`to_host`
-brings them from the device in one transfer.
+strain derivatives over each 3D-periodic structure's volume as stress); :class:`Flat`
+packs them on the device and brings them to the host in one transfer.
 """
 
 from __future__ import annotations
+
+import math
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -49,13 +52,25 @@ def per_structure(host: dict[str, np.ndarray], structures: list[Atoms]) -> list[
     return results
 
 
-def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    """``tensors`` (any shapes and types, one device) as float64 numpy arrays of the same
-    shapes, through one device-to-host copy: the host waits for the device once per call,
-    not once per result (integers are exact up to 2^53)."""
-    flat = torch.cat([tensor.detach().reshape(-1).to(torch.float64) for tensor in tensors.values()]).cpu().numpy()
-    ends = np.cumsum([tensor.numel() for tensor in tensors.values()])[:-1]
-    return {
-        name: part.reshape(tensor.shape)
-        for (name, tensor), part in zip(tensors.items(), np.split(flat, ends), strict=True)
-    }
+class Flat(NamedTuple):
+    """A step's results packed on the device into one float64 vector, so that a recorded
+    CUDA graph packs them too and the host only copies ``values`` (integers are exact up
+    to 2^53)."""
+
+    values: torch.Tensor  # [T] float64: the results' elements one after another
+    layout: tuple  # (name, shape) of each result, in order
+
+    @classmethod
+    def of(cls, tensors: dict[str, torch.Tensor]) -> Flat:
+        """``tensors`` (any shapes and types, one device) packed."""
+        values = torch.cat([tensor.detach().reshape(-1).to(torch.float64) for tensor in tensors.values()])
+        return cls(values, tuple((name, tuple(tensor.shape)) for name, tensor in tensors.items()))
+
+    def to_host(self) -> dict[str, np.ndarray]:
+        """The results as float64 numpy arrays of their shapes, through one device-to-host
+        copy: the host waits for the device once per call, not once per result."""
+        flat = self.values.cpu().numpy()
+        ends = np.cumsum([math.prod(shape) for _, shape in self.layout])[:-1]
+        return {
+            name: part.reshape(shape) for (name, shape), part in zip(self.layout, np.split(flat, ends), strict=True)
+        }

@@ -168,7 +168,7 @@ def test_one_engine_follows_changing_systems(tiny_ckpt, water, pt_bulk, ethanol)
 
 
 def test_results_come_to_the_host_with_their_shapes_and_values():
-    from ase_tcfp32._results import to_host
+    from ase_tcfp32._results import Flat
 
     tensors = {
         "energy": torch.tensor([1.5, -2.25], dtype=torch.float64),
@@ -176,7 +176,7 @@ def test_results_come_to_the_host_with_their_shapes_and_values():
         "sizes": torch.tensor([7, 2**40 + 1]),
         "virial": torch.zeros(2, 3, 3),
     }
-    host = to_host(tensors)
+    host = Flat.of(tensors).to_host()
     assert list(host) == list(tensors)
     for name, tensor in tensors.items():
         assert host[name].dtype == np.float64 and host[name].shape == tuple(tensor.shape)
