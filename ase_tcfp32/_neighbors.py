@@ -5,7 +5,7 @@
   reverse pair, padded to a fixed capacity;
 - :class:`VerletList` keeps them while no atom has moved more than half the skin;
 - :func:`pair_vectors` turns positions into the pairs' vectors with a backward pass that is
-  one gather and one segment sum (:class:`PairTerms`).
+  one gather and one segment sum (:class:`PairTerms`, :func:`segment_sum`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from ase import Atoms
+
+from ._kernels.context import INTERPRETED
+from .precision import triton_build_problem
 
 VIRIAL_BINS = 256
 """Partial sums per structure of the pairs' virial terms: pair k adds into bin k mod 256 of its
@@ -201,6 +204,19 @@ def missing_pairs(pairs: Pairs, batch: Structures, cutoff: float) -> int:
     return len(keys(fresh) - keys(pairs))
 
 
+def segment_sum(values: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """Each atom's sum [N, ...] of the per-pair ``values`` [E, ...] over its pairs ``first[a]
+    .. first[a + 1] - 1`` (``first`` [N + 1]; the padding after ``first[N]`` left out), in
+    a fixed order, without atomics: :func:`ase_tcfp32._kernels.segments.segment_sum` where
+    Triton runs (CUDA tensors where it can build its launchers, or its interpreter; imported
+    only there: Triton is optional), else ``torch.segment_reduce``."""
+    if INTERPRETED or (values.is_cuda and triton_build_problem() is None):
+        from ._kernels.segments import segment_sum as kernel
+
+        return kernel(values, first)
+    return torch.segment_reduce(values, "sum", offsets=first, axis=0)
+
+
 class PairTerms(torch.autograd.Function):
     """``y_k = x[j_k] + sign * x[i_k]`` for atom values x [N, ...] and pairs i -> j sorted
     by center atom, each with its reverse pair (j -> i; the padding pairs, center 0, are
@@ -221,7 +237,7 @@ class PairTerms(torch.autograd.Function):
     def backward(ctx, grad):
         reverse, first = ctx.saved_tensors  # first [N + 1]: the padding after first[N] is left out
         per_pair = grad.index_select(0, reverse) + ctx.sign * grad
-        return torch.segment_reduce(per_pair, "sum", offsets=first, axis=0), None, None, None, None, None
+        return segment_sum(per_pair, first), None, None, None, None, None
 
 
 def virials(vectors: torch.Tensor, gradients: torch.Tensor, pairs: Pairs, count: int) -> torch.Tensor:

@@ -396,9 +396,15 @@ CUTOFFS_SCRIPT = textwrap.dedent(
     import torch
     from metatrain.pet.modules.adaptive_cutoff import get_adaptive_cutoffs_solver
     from metatrain.pet.modules.utilities import cutoff_func_bump
+    from ase_tcfp32._kernels import segments
     from ase_tcfp32._kernels.cutoffs import adaptive_cutoffs
     from ase_tcfp32._neighbors import build_pairs
     from ase_tcfp32.validation import water_box
+
+    calls = []  # the neighbor counts summed per atom in the segment kernels, both ways
+    for name in ("sum_rows", "gather_rows"):
+        kernel = getattr(segments, name)
+        setattr(segments, name, lambda *args, kernel=kernel, name=name: calls.append(name) or kernel(*args))
 
     for molecules, skin, target in [(8, 0.5, 24), (8, 2.0, 16)]:
         atoms = water_box(molecules, seed=molecules)
@@ -415,6 +421,7 @@ CUTOFFS_SCRIPT = textwrap.dedent(
         u = 2.0**-24
         assert (ours - theirs).abs().max() <= 8 * u * 8.0, (ours - theirs).abs().max()
         assert (grad - expected).abs().max() <= 64 * u * expected.abs().max(), (grad - expected).abs().max()
+    assert calls == ["sum_rows", "gather_rows"] * 2, calls
     import sys
     assert "torch._dynamo" not in sys.modules  # eager code calls the kernel, not its custom op (0.5 s import)
     print("interpreter cutoffs ok")
@@ -423,6 +430,7 @@ CUTOFFS_SCRIPT = textwrap.dedent(
 
 
 def test_adaptive_cutoff_kernel_in_the_triton_interpreter():
-    """The solver kernel against metatrain's own: cutoffs and their gradients to FP32 rounding;
-    called eagerly, it does not import ``torch._dynamo``."""
+    """The solver kernel against metatrain's own: cutoffs and their gradients to FP32 rounding
+    (the counts summed per atom in the segment kernels); called eagerly, it does not import
+    ``torch._dynamo``."""
     interpret(CUTOFFS_SCRIPT, "interpreter cutoffs ok")

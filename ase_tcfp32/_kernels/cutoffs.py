@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .context import on_device
+from .segments import segment_sum
 
 ITERATIONS = 10
 """Newton-bisection iterations, as metatrain's solver."""
@@ -138,9 +139,10 @@ def adaptive_cutoffs(
     """metatrain's adaptive cutoffs [N] (Å) of the pairs' center atoms, differentiable
     through ``distances`` [E] (float32, sorted by ``centers`` [E], see :func:`solve`):
     :func:`solve`'s root, then metatrain's implicit-function step with ``bump``
-    (its ``cutoff_func_bump``), clamped to [max_cutoff / 16, max_cutoff]."""
+    (its ``cutoff_func_bump``; the counts summed per atom in :func:`.segments.segment_sum`),
+    clamped to [max_cutoff / 16, max_cutoff]."""
     roots = _solve_op if torch.compiler.is_compiling() else solve
     r, dn = roots(distances.detach(), first, float(target), float(max_cutoff), float(width))
-    counts = torch.segment_reduce(bump(distances, r[centers], width), "sum", offsets=first, axis=0)  # no atomics
+    counts = segment_sum(bump(distances, r[centers], width), first)
     residual = counts + target * (r / max_cutoff).pow(3) - target
     return (r - residual / dn.clamp_min(1e-6)).clamp(max_cutoff / 16.0, max_cutoff)
