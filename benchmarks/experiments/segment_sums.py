@@ -3,10 +3,12 @@ and a one-program-per-atom Triton sum, at the sizes of the lean step (pairs sort
 
     python benchmarks/experiments/segment_sums.py [--out F.json]
 
-Decided: the lean engine's per-atom sums of pair values use ``segment_reduce``
-(0.03-0.06 ms at 4.4 million pairs on the H200, against 0.17-0.18 ms for ``index_add_`` with
-no padding on any atom). The Triton sum is faster still but would be a kernel to keep for
-~0.03 ms per call. Errors are against float64 sums, relative to the largest.
+First decided: ``segment_reduce`` (0.03-0.06 ms at 4.4 million pairs on the H200, against
+0.17-0.18 ms for ``index_add_`` with no padding on any atom); the Triton sum was faster still
+but a kernel to keep for ~0.03 ms per call. Since, small systems' CUDA graphs made torch's
+kernels the slow part there, and the package runs a Triton sum
+(``ase_tcfp32._kernels.segments``, design page: "Small systems"). Errors are against float64
+sums, relative to the largest.
 """
 
 import argparse
