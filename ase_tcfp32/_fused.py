@@ -121,6 +121,20 @@ class _CombinationFunction(torch.autograd.Function):
         return grad_o, None, None, None, None, grad_summed
 
 
+def featurizer_layers(backend: torch.nn.Module) -> zip:
+    """metatrain's feed-forward featurizer GNN layer by GNN layer: for each, the combination's
+    norm and MLP, the layer, and its node and edge post-message-passing modules (``PETBackend``'s
+    module lists side by side)."""
+    return zip(
+        backend.combination_norms,
+        backend.combination_mlps,
+        backend.gnn_layers,
+        backend.gnn_layers_post_mp_node,
+        backend.gnn_layers_post_mp_edge,
+        strict=True,
+    )
+
+
 def combine_messages(
     o: torch.Tensor, reverse: torch.Tensor, norm: torch.nn.LayerNorm, residual: torch.Tensor | None = None
 ):

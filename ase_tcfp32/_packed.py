@@ -32,7 +32,7 @@ import torch
 from ._attention import tc_attention_packed
 from ._epilogues import combination, feed_forward, linear
 from ._folded import compress
-from ._fused import combine_messages, pre_norm
+from ._fused import combine_messages, featurizer_layers, pre_norm
 from ._heads import readout
 from ._swapping import Recomputed
 
@@ -125,14 +125,7 @@ def features_of(backend: torch.nn.Module, packed: Packed) -> tuple[torch.Tensor,
     features [N, d_node] and edge features [R, d_pet] (zero-weighted in the padding rows)."""
     nodes = backend.node_embedders[0](packed.species)
     edges = backend.edge_embedder(packed.neighbor_species)
-    layers = (
-        backend.combination_norms,
-        backend.combination_mlps,
-        backend.gnn_layers,
-        backend.gnn_layers_post_mp_node,
-        backend.gnn_layers_post_mp_edge,
-    )
-    for norm, mlp, gnn_layer, post_node, post_edge in zip(*layers, strict=True):
+    for norm, mlp, gnn_layer, post_node, post_edge in featurizer_layers(backend):
         if isinstance(gnn_layer, Recomputed) and torch.is_grad_enabled():
             out_nodes, out_edges = torch.utils.checkpoint.checkpoint(
                 _gnn_layer, gnn_layer.module, nodes, edges, packed, use_reentrant=False

@@ -39,7 +39,7 @@ from collections.abc import Mapping
 import torch
 
 from ._epilogues import combination, feed_forward, head, linear
-from ._fused import combine_messages, pre_norm
+from ._fused import combine_messages, featurizer_layers, pre_norm
 from ._swapping import lazy_subclass, swap_class
 
 
@@ -94,14 +94,7 @@ def _feedforward_featurization_impl(self, inputs: dict, use_manual_attention: bo
     mask = inputs["padding_mask"]
     slots = torch.arange(mask.numel(), device=mask.device).reshape(mask.shape)
     reverse = torch.where(mask, inputs["reverse_neighbor_index"], slots)  # the padding its own reverse: an involution
-    layers = (
-        self.combination_norms,
-        self.combination_mlps,
-        self.gnn_layers,
-        self.gnn_layers_post_mp_node,
-        self.gnn_layers_post_mp_edge,
-    )
-    for norm, mlp, gnn_layer, post_node, post_edge in zip(*layers, strict=True):
+    for norm, mlp, gnn_layer, post_node, post_edge in featurizer_layers(self):
         out_nodes, out_edges = gnn_layer(
             nodes,
             edges,
