@@ -42,7 +42,6 @@ per block and group (:func:`head_groups`).
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -50,7 +49,7 @@ import triton
 import triton.language as tl
 
 from .context import on_device
-from .triton_gemm import _round_tf32
+from .triton_gemm import _round_tf32, sm_count
 
 
 @triton.jit
@@ -672,14 +671,6 @@ INTERPRETED_MULTIPROCESSORS = 132
 """The multiprocessors :func:`head_groups` counts for CPU tensors (Triton's interpreter): an H200's."""
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    """The multiprocessors of ``device`` (:data:`INTERPRETED_MULTIPROCESSORS` for a CPU device)."""
-    if device.type != "cuda":
-        return INTERPRETED_MULTIPROCESSORS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def head_groups(slots: int, heads: int, device: torch.device, padded_backward: bool = False) -> int:
     """The groups of heads into which the packed kernels split their ``heads`` on ``device``
     for ``slots`` block slots: one program per slot and group, each taking ``heads // groups``
@@ -696,7 +687,7 @@ def head_groups(slots: int, heads: int, device: torch.device, padded_backward: b
     10.7 -> 8.8 ms, 2,304 atoms 1.55 -> 1.19 ms)."""
     if padded_backward:
         return heads
-    wanted = 2 * _multiprocessors(device)
+    wanted = 2 * (sm_count(device) if device.type == "cuda" else INTERPRETED_MULTIPROCESSORS)
     return next(g for g in range(1, heads + 1) if heads % g == 0 and (slots * g >= wanted or g == heads))
 
 
