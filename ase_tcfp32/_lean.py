@@ -297,10 +297,10 @@ class LeanPET:
         direct: tuple[str, ...],
         llpr: tuple[str, ...] = (),
     ) -> Flat:
-        """One evaluation on the device, its results packed (:class:`~ase_tcfp32._results.Flat`):
-        per-structure energies [S] (sums of the per-atom energies [N] times their ``weights`` [N]); with ``grad`` the forces [N, 3] (with ``stress`` each
-        structure's strain derivative [S, 3, 3]) from one backward pass of those sums; the ``direct``
-        heads' forces [N, 3] (net force removed per structure) and stress [S, 3, 3], same forward pass;
+        """One evaluation on the device, its results packed (:class:`~ase_tcfp32._results.Flat`): per-structure
+        energies [S] (sums of the per-atom energies [N] times their ``weights`` [N]); with ``grad`` the forces [N, 3]
+        (with ``stress`` each structure's strain derivative [S, 3, 3]) from one backward pass of those sums; the
+        ``direct`` heads' forces [N, 3] (net force removed per structure) and stress [S, 3, 3], same forward pass;
         the ``llpr`` outputs of the heads' last-layer features (:meth:`ase_tcfp32._uncertainty.Uncertainty.outputs`)."""
         positions = positions.detach().requires_grad_(grad)
         count = cells.shape[0]
