@@ -225,6 +225,87 @@ def test_fp16x3_inf_nan_propagate_like_torch(fp16x3):
     assert torch.equal(torch.isinf(y), torch.isinf(expected))
 
 
+@pytest.mark.parametrize("shape", [(192, 1024, 4096), (192, 4096, 1024), (100, 2048, 1040), (7000, 256, 128)])
+def test_fp16x3_products_summed_in_parts_match_fp64(fp16x3, shape):
+    """Each output tile summed in 2, 4 or 8 parts of its K-tiles (ragged rows, columns and
+    parts; with the bias in one part only): FP32's error level, forward and backward, with
+    64- and 128-row tiles; replayed in a CUDA graph, the same bits. A count that would leave
+    a part empty is refused."""
+    m, k, n = shape
+    g = torch.Generator(device="cuda").manual_seed(m + k + n)
+    x = torch.randn(m, k, device="cuda", generator=g)
+    w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
+    b = torch.randn(n, device="cuda", generator=g)
+    gy = torch.randn(m, n, device="cuda", generator=g)
+    exact, exact_dx = x.double() @ w.double().T + b.double(), gy.double() @ w.double()
+    fp32, fp32_dx = rel_error(x @ w.T + b, exact), rel_error(gy @ w, exact_dx)
+    words, words_t = fp16x3.split_weight(w), fp16x3.split_weight(w.T.contiguous())
+    for splits in (2, 4, 8):
+        for config in (fp16x3.SMALL, fp16x3.CONFIG):
+            for operand, split, exact_y, reference, depth, bias in [
+                (x, words, exact, fp32, k, b),
+                (gy, words_t, exact_dx, fp32_dx, n, None),
+            ]:
+                tiles = -(-depth // 32)
+                if (splits - 1) * -(-tiles // splits) >= tiles:
+                    with pytest.raises(ValueError, match="empty"):
+                        fp16x3.launch(operand, split, bias, config, splits=splits)
+                    continue
+                y = fp16x3.launch(operand, split, bias, config, splits=splits)
+                assert y.shape == exact_y.shape
+                assert_fp32_level(rel_error(y, exact_y), reference, depth, 1.0)
+    y = fp16x3.launch(x, words, b, fp16x3.SMALL, splits=2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = fp16x3.launch(x, words, b, fp16x3.SMALL, splits=2)
+    graph.replay()
+    assert torch.equal(replayed, y)
+
+
+@pytest.mark.parametrize(
+    "epilogue", ["plain", "bias", "residual", "silu", "swiglu", "silu keep", "swiglu keep", "rms", "rms swiglu"]
+)
+def test_fp16x3_small_tiles_give_the_bits_of_the_tuned_ones(fp16x3, epilogue):
+    """SMALL (64-row tiles, one part) sums every output in the K-tiles and order of CONFIG:
+    the same bits with every epilogue, ragged rows and columns."""
+    m, k, n = 333, 264, 208
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(m, k, device="cuda", generator=g)
+    words = fp16x3.split_weight(torch.randn(n, k, device="cuda", generator=g) / k**0.5)
+    options = {"bias": torch.randn(n, device="cuda", generator=g)} if epilogue != "plain" else {}
+    if epilogue == "residual":
+        options["residual"] = torch.randn(m, n, device="cuda", generator=g)
+    for name in ("silu", "swiglu"):
+        if name in epilogue:
+            options["activation"] = name
+    options["keep"] = "keep" in epilogue
+    if "rms" in epilogue:
+        options["rms_eps"] = 1e-5
+    small = fp16x3.launch(x, words, config=fp16x3.SMALL, **options)
+    tuned = fp16x3.launch(x, words, config=fp16x3.CONFIG, **options)
+    for a, b in zip(small if options["keep"] else [small], tuned if options["keep"] else [tuned]):
+        assert torch.equal(a, b)
+
+
+def test_the_fp16x3_backend_runs_small_node_layers_on_small_tiles(fp16x3):
+    """192 rows of PET-S's node update (too few for the tuned tiles, min_rows) run SMALL
+    tiles (the input gradient in parts), not cuBLAS FP32; same error level."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(192, 1024, device="cuda", generator=g)
+    w = torch.randn(4096, 1024, device="cuda", generator=g) / 32
+    b = torch.randn(4096, device="cuda", generator=g)
+    gy = torch.randn(192, 4096, device="cuda", generator=g)
+    backend = fp16x3.Fp16x3Backend()
+    prepared = backend.prepare(w)
+    assert 192 < prepared.forward.min_rows and 192 < prepared.backward.min_rows
+    assert fp16x3.parts(192, 4096, 1024, x.device) >= 1 and fp16x3.parts(192, 1024, 4096, x.device) > 1
+    y, dx = backend.forward(x, prepared, b), backend.grad_input(gy, prepared)
+    assert not torch.equal(y, torch.nn.functional.linear(x, w, b)) and not torch.equal(dx, gy @ w)
+    exact, exact_dx = x.double() @ w.double().T + b.double(), gy.double() @ w.double()
+    assert_fp32_level(rel_error(y, exact), rel_error(x @ w.T + b, exact), 1024, 1.0)
+    assert_fp32_level(rel_error(dx, exact_dx), rel_error(gy @ w, exact_dx), 4096, 1.0)
+
+
 FIRST_BACKWARD = """
 import sys, torch
 from ase_tcfp32 import tc_linear

@@ -41,7 +41,7 @@ from .context import on_device
 from .epilogue import ACTIVATIONS, Embedding, gl_embedding, gl_silu, gl_swiglu, without_product
 from .gluon_common import descriptor, load_stage, ring, tile_offsets, tma_ready
 from .split import split_fp16x3
-from .triton_gemm import NEVER, min_rows, sm_count
+from .triton_gemm import MIN_OUTPUTS, MIN_TERMS, NEVER, min_rows, sm_count
 
 
 @gluon.jit
@@ -85,17 +85,41 @@ def _issue(hi, lo, hi_c, hi_s, lo_s, dead):
 
 
 @gluon.jit
-def _loader(x_desc, hi_desc, lo_desc, xs, his, los, ready, empty, M, N, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    """Producer warp: the K-tiles of this program's output tiles, one after another
-    through the ring (the next tile's loads overlap the consumers' epilogue)."""
+def _part(unit, M, N, num_k, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, SPLITS: gl.constexpr):
+    """Work unit ``unit``: its output tile's (row, column), which of the ``SPLITS`` parts of
+    the K-tiles it sums, and their range [first, end) (parts of ``cdiv(num_k, SPLITS)``)."""
+    off_m, off_n = tile_offsets(M, N, BM, BN, GROUP_M, unit // SPLITS)
+    part = unit % SPLITS
+    chunk = gl.cdiv(num_k, SPLITS)
+    return off_m, off_n, part, part * chunk, gl.minimum(num_k, (part + 1) * chunk)
+
+
+@gluon.jit
+def _loader(
+    x_desc,
+    hi_desc,
+    lo_desc,
+    xs,
+    his,
+    los,
+    ready,
+    empty,
+    M,
+    N,
+    GROUP_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    SPLITS: gl.constexpr,
+):
+    """Producer warp: the K-tiles of this program's work units, one after another
+    through the ring (the next unit's loads overlap the consumers' epilogue)."""
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BN: gl.constexpr = hi_desc.block_type.shape[0]
     num_k = gl.cdiv(x_desc.shape[1], BK)
     it = 0
-    for tile in range(gl.program_id(0), gl.cdiv(M, BM) * gl.cdiv(N, BN), gl.num_programs(0)):
-        off_m, off_n = tile_offsets(M, N, BM, BN, GROUP_M, tile)
-        for ki in range(num_k):
+    for unit in range(gl.program_id(0), gl.cdiv(M, BM) * gl.cdiv(N, BN) * SPLITS, gl.num_programs(0)):
+        off_m, off_n, part, first, end = _part(unit, M, N, num_k, BM, BN, GROUP_M, SPLITS)
+        for ki in range(first, end):
             load_stage(x_desc, hi_desc, lo_desc, xs, his, los, ready, empty, it, off_m, off_n, ki * BK, STAGES)
             it += 1
 
@@ -133,13 +157,16 @@ def _fp16x3_consumer(
     KEEP: gl.constexpr,
     GROUP_M: gl.constexpr,
     STAGES: gl.constexpr,
+    SPLITS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """Consumer warpgroups: for each output tile the K loop of :func:`_split` and :func:`_issue`, where
     each K-tile's accumulator joins the FP32 sum (times its rows' ``2^-a``) while the next
     K-tile's products run; then ``act(acc * scale + bias + residual)`` (:mod:`.epilogue`;
     SwiGLU: half the columns) goes to shared memory ``ys``, from where a TMA store writes it
-    out while the next tile's K loop runs."""
+    out while the next tile's K loop runs. With ``SPLITS`` > 1 each work unit sums one part
+    of the K-tiles and stores ``acc * scale`` (plus the bias in part 0) at row
+    ``part * Mp + row`` of y, ``Mp`` being M rounded up to whole tiles: the caller adds the parts."""
     BM: gl.constexpr = xs.shape[1]
     BN: gl.constexpr = his.shape[1]
     mma: gl.constexpr = gl.NVMMADistributedLayout(
@@ -150,8 +177,8 @@ def _fp16x3_consumer(
     cols_layout: gl.constexpr = gl.SliceLayout(0, mma)
     zero = gl.zeros((BM, BN), gl.float32, mma)
     it = 0
-    for tile in range(gl.program_id(0), gl.cdiv(M, BM) * gl.cdiv(N, BN), gl.num_programs(0)):
-        off_m, off_n = tile_offsets(M, N, BM, BN, GROUP_M, tile)
+    for unit in range(gl.program_id(0), gl.cdiv(M, BM) * gl.cdiv(N, BN) * SPLITS, gl.num_programs(0)):
+        off_m, off_n, part, first, end = _part(unit, M, N, num_k, BM, BN, GROUP_M, SPLITS)
         acc = zero
         prev = zero
         # K-tile ki splits while ki - 1 runs; ki - 1 joins the sum with no wgmma in
@@ -161,7 +188,7 @@ def _fp16x3_consumer(
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         hi, lo, hi_c, down, squares = _split(xs.index(s), a_layout, rows_layout, RMS)
         pending = _issue(hi, lo, hi_c, his.index(s), los.index(s), prev)
-        for ki in range(1, num_k):
+        for ki in range(first + 1, end):
             it += 1
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
@@ -183,7 +210,7 @@ def _fp16x3_consumer(
         if RMS:  # the input rows' RMS norm: x / sqrt(mean(x^2) + eps) (its weight is in w)
             acc = acc * gl.expand_dims(gl.rsqrt(gl.convert_layout(squares, rows_layout) * inv_k + eps), 1)
         if HAS_BIAS:
-            acc = acc + gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0), 0)
+            acc = acc + gl.expand_dims(gl.load(bias_ptr + cols, mask=(cols < N) & (part == 0), other=0.0), 0)
         if HAS_RESIDUAL:
             at = gl.expand_dims(rows * stride_r, 1) + gl.expand_dims(cols, 0)
             inside = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
@@ -203,7 +230,8 @@ def _fp16x3_consumer(
                 zs.index(0).store(acc)
             ys.store(gl_silu(acc) if ACTIVATION == 1 else acc)
         fence_async_shared()
-        tma.async_copy_shared_to_global(y_desc, [off_m, off_n // 2 if ACTIVATION == 2 else off_n], ys)
+        row = off_m + part * (gl.cdiv(M, BM) * BM)
+        tma.async_copy_shared_to_global(y_desc, [row, off_n // 2 if ACTIVATION == 2 else off_n], ys)
         if KEEP:
             tma.async_copy_shared_to_global(z_desc, [off_m, off_n // 2 if ACTIVATION == 2 else off_n], zs.index(0))
             if ACTIVATION == 2:
@@ -239,9 +267,11 @@ def _fp16x3_kernel(
     KEEP: gl.constexpr,
     STAGES: gl.constexpr,
     GROUP_M: gl.constexpr,
+    SPLITS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """``y = act((x @ w^T) * scale + bias + residual)``: one program per SM walks the output tiles; a
+    """``y = act((x @ w^T) * scale + bias + residual)``: one program per SM walks the output tiles
+    (with ``SPLITS`` > 1: the parts of their K-tiles, each stored on its own rows); a
     producer warp streams their K-tiles (x in FP32, the weight's FP16 words) through a
     ``STAGES``-deep TMA ring, two consumer warpgroups compute, and TMA stores the tiles."""
     xs, his, los, ready, empty = ring(x_desc, hi_desc, lo_desc, STAGES)
@@ -286,10 +316,11 @@ def _fp16x3_kernel(
                     KEEP,
                     GROUP_M,
                     STAGES,
+                    SPLITS,
                     num_warps,
                 ),
             ),
-            (_loader, (x_desc, hi_desc, lo_desc, xs, his, los, ready, empty, M, N, GROUP_M, STAGES)),
+            (_loader, (x_desc, hi_desc, lo_desc, xs, his, los, ready, empty, M, N, GROUP_M, STAGES, SPLITS)),
         ],
         [1],
         [24],
@@ -309,11 +340,20 @@ Not a 64-column tile: tuned on 262,144 rows it won for N = K = 256, and was 20% 
 :data:`CONFIG` on PET's 700,000 (H200)."""
 
 
+SMALL = dict(CONFIG, BM=64, num_warps=4)
+"""The launch for products with too few rows for :data:`CONFIG`'s tiles to occupy half of
+the multiprocessors (:func:`~.triton_gemm.min_rows`): 64-row tiles, one consumer
+warpgroup, their K-tiles summed in :func:`parts` (the same K-tile, so one part gives the
+bits of :data:`CONFIG`). From half of the multiprocessors on, :data:`CONFIG`'s were as fast
+or faster (H200, ``benchmarks/experiments/small_products.py``: [192 x 1536] -> 6144, 96
+tiles, 42.5 against 44.1 µs; [6,144 x 128] -> 256, 8.5 against 8.7)."""
+
+
 class Words(NamedTuple):
     """One direction of a weight [N, K] for fp16x3: FP16 words [2, N, KP] of the
-    row-scaled weight, the scales ``2^-b`` [N] that undo it, the smallest M that runs the
-    kernel (fewer rows go to cuBLAS FP32, see :func:`triton_gemm.min_rows`) and the
-    launch configuration."""
+    row-scaled weight, the scales ``2^-b`` [N] that undo it, the fewest rows M that run
+    the tuned launch (:func:`~.triton_gemm.min_rows`; fewer run :data:`SMALL` or cuBLAS
+    FP32, see :func:`parts`) and that launch's configuration."""
 
     words: torch.Tensor
     scale: torch.Tensor
@@ -353,6 +393,7 @@ def launch(
     activation: str | None = None,
     rms_eps: float | None = None,
     keep: bool = False,
+    splits: int = 1,
 ):
     """``act(x [M, K] @ w^T + bias + residual)`` as [M, N] (:mod:`.epilogue`: the residual a
     tensor or an :class:`~.epilogue.Embedding` computed in the kernel; SwiGLU:
@@ -361,7 +402,9 @@ def launch(
     by ``sqrt(mean(x^2) + rms_eps)`` over its row of x (an RMS norm before a layer, its
     weight multiplied into ``w``). With ``keep`` (N a multiple of 8), also the
     pre-activation [M, N] (SwiGLU: as ``[v | g]``), stored by TMA like ``y`` (in a pipeline
-    of at most :data:`KEEP_STAGES` stages, for the shared memory): returns ``(y, z)``."""
+    of at most :data:`KEEP_STAGES` stages, for the shared memory): returns ``(y, z)``. With
+    ``splits`` > 1 (:func:`parts`; a product and its bias only) each output tile is summed
+    in that many parts of its K-tiles by as many programs, and the parts are added after."""
     config = config or w.config
     m, k = x.shape
     _, n, kp = w.words.shape
@@ -369,11 +412,17 @@ def launch(
         return without_product(m, n, x.device, bias, residual, activation, keep)
     if keep and n % 8:
         raise ValueError(f"keep needs a multiple of 8 columns (16-byte rows of each half), not {n}")
+    if splits > 1 and (residual is not None or activation or rms_eps is not None or keep):
+        raise ValueError("a product summed in parts takes a bias only (no residual, activation, norm or keep)")
+    if not _parts_fit(triton.cdiv(k, config["BK"]), splits):
+        raise ValueError(f"{splits} parts of {triton.cdiv(k, config['BK'])} K-tiles would leave the last one empty")
     embed = isinstance(residual, Embedding)
     tensor = residual is not None and not embed
     out = n // 2 if activation == "swiglu" else n
-    y = torch.empty((m, triton.cdiv(out, 4) * 4), device=x.device, dtype=torch.float32)  # 16-byte rows for TMA
     bm, bn, bk = config["BM"], config["BN"], config["BK"]
+    padded = triton.cdiv(m, bm) * bm  # a part's rows: whole tiles, so that no tile's store reaches the next part
+    rows = m if splits == 1 else splits * padded
+    y = torch.empty((rows, triton.cdiv(out, 4) * 4), device=x.device, dtype=torch.float32)  # 16-byte rows for TMA
     tile = [bm, bn // 2 if activation == "swiglu" else bn]
     if keep:
         z = torch.empty((m, n), device=x.device, dtype=torch.float32)
@@ -382,9 +431,9 @@ def launch(
     else:
         z = None
         z_desc = g_desc = _unused_descriptor(x.device)
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    units = triton.cdiv(m, bm) * triton.cdiv(n, bn) * splits
     with on_device(x.device):
-        _fp16x3_kernel[(min(tiles, sm_count(x.device)),)](
+        _fp16x3_kernel[(min(units, sm_count(x.device)),)](
             descriptor(tma_ready(x, kp), [bm, bk]),
             descriptor(w.words[0], [bn, bk]),
             descriptor(w.words[1], [bn, bk]),
@@ -408,10 +457,50 @@ def launch(
             KEEP=keep,
             STAGES=min(config["STAGES"], KEEP_STAGES) if keep else config["STAGES"],
             GROUP_M=config["GROUP_M"],
+            SPLITS=splits,
             num_warps=config["num_warps"],
         )
+    if splits > 1:  # the parts added in a fixed order: torch's sum over the first dimension
+        return y.view(splits, padded, -1)[:, :m, :out].sum(0)
     y = y if y.shape[1] == out else y[:, :out].contiguous()
     return (y, z) if keep else y
+
+
+PART_TILES = 4
+"""The fewest K-tiles in one part of a product summed in parts (:func:`parts`)."""
+
+MIN_SMALL_WORK = 2**27
+"""The fewest multiply-adds (M N K) for which a product under :func:`~.triton_gemm.min_rows` runs the
+kernel (:data:`SMALL`); lighter ones run cuBLAS FP32. The lightest product measured was
+[6,144 x 128] -> 256 (2e8): 8.7 µs in the kernel, 14.0 in cuBLAS FP32 (H200, CUDA graph)."""
+
+
+def parts(m: int, n: int, k: int, device: torch.device) -> int:
+    """In how many parts of its K-tiles :data:`SMALL` sums each output tile of an [m, n]
+    product of depth ``k`` (fewer rows than :func:`~.triton_gemm.min_rows`): the most (a power of two)
+    that keep the work units (tiles times parts) within one per multiprocessor, each part
+    :data:`PART_TILES` K-tiles or more; 0 where cuBLAS FP32 runs it (under
+    :data:`MIN_SMALL_WORK`, or narrow).
+
+    Measured on the H200 (``benchmarks/experiments/small_products.py``, CUDA graphs, µs):
+    PET-S's node update at 192 atoms, [192 x 1024] -> 4096, [192 x 2048] -> 1024 and their
+    input gradients: cuBLAS FP32 63.4, 55.0, 89.8, 42.1; :data:`CONFIG` in one part 29.4,
+    53.1, 101.1, 28.9; this rule (1, 4, 4 and 2 parts of 64-row tiles) 16.8, 14.1, 20.3,
+    15.0. PET-M's [192 x 6144] -> 1536 input gradient: 247.0, 150.3, 47.3 (8 parts: 40.7).
+    """
+    if n < MIN_OUTPUTS or k < MIN_TERMS or m * n * k < MIN_SMALL_WORK:
+        return 0
+    tiles = triton.cdiv(m, SMALL["BM"]) * triton.cdiv(n, SMALL["BN"])
+    depth = triton.cdiv(k, SMALL["BK"])
+    count = 1
+    while 2 * count * tiles <= sm_count(device) and depth >= 2 * count * PART_TILES and _parts_fit(depth, 2 * count):
+        count *= 2
+    return count
+
+
+def _parts_fit(depth: int, count: int) -> bool:
+    """Whether ``count`` parts of ``cdiv(depth, count)`` K-tiles each leave none empty."""
+    return (count - 1) * triton.cdiv(depth, count) < depth
 
 
 @functools.cache
@@ -428,7 +517,8 @@ for the pre-activation's fit the H200's 227 KiB of shared memory per block."""
 
 class Fp16x3Backend:
     """fp16x3 on Hopper through :func:`launch`, with the layer interface of every backend;
-    GEMMs too small to fill the GPU and weights holding Inf/NaN run cuBLAS FP32."""
+    products with few rows run :data:`SMALL` (:func:`parts`); light or narrow ones, and
+    weights holding Inf/NaN, run cuBLAS FP32."""
 
     name = "gluon"
     precision = "fp16x3"
@@ -456,14 +546,27 @@ class Fp16x3Backend:
         """``act(x @ weight.T + bias + residual)`` in one kernel (:mod:`.epilogue`; ``rms_eps``,
         ``keep``: see :func:`launch`), or None where :meth:`forward` would not run the
         kernel (the caller composes the steps)."""
-        if prepared.forward is None or x.shape[0] < prepared.forward.min_rows:
+        if keep and prepared.forward is not None and prepared.forward.words.shape[1] % 8:
             return None
         bias = None if bias is None else bias.detach().contiguous()
-        if keep and prepared.forward.words.shape[1] % 8:
-            return None
-        return launch(x, prepared.forward, bias, residual=residual, activation=activation, rms_eps=rms_eps, keep=keep)
+        return _product(x, prepared.forward, bias, residual=residual, activation=activation, rms_eps=rms_eps, keep=keep)
 
     def grad_input(self, grad_y: torch.Tensor, prepared: Prepared) -> torch.Tensor:
-        if prepared.backward is None or grad_y.shape[0] < prepared.backward.min_rows:
-            return grad_y @ prepared.weight
-        return launch(grad_y, prepared.backward)
+        dx = _product(grad_y, prepared.backward)
+        return grad_y @ prepared.weight if dx is None else dx
+
+
+def _product(x: torch.Tensor, words: Words | None, bias: torch.Tensor | None = None, **epilogue):
+    """:func:`launch` with the tuned configuration from ``words.min_rows`` rows, with
+    :data:`SMALL` below (in :func:`parts` when there is no epilogue), or None where cuBLAS
+    FP32 runs the product (Inf/NaN weights, narrow or light products)."""
+    if words is None:
+        return None
+    if x.shape[0] >= words.min_rows:
+        return launch(x, words, bias, **epilogue)
+    count = parts(x.shape[0], words.words.shape[1], x.shape[1], x.device)
+    if count == 0:
+        return None
+    plain = epilogue.get("residual") is None and not epilogue.get("activation")
+    plain = plain and epilogue.get("rms_eps") is None and not epilogue.get("keep")
+    return launch(x, words, bias, SMALL, splits=count if plain else 1, **epilogue)
