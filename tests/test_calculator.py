@@ -576,3 +576,29 @@ def test_out_of_memory_says_what_fits_and_the_calculator_recovers():
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
     assert np.isfinite(calc.evaluate([water_box(64, seed=0)])[0]["forces"]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["s", "m"])
+def test_small_systems_of_pet_mad_shapes_stay_at_fp32s_error(water192, shape):
+    """192 atoms of PET-S's and PET-M's shapes in the default calculator (fp16x3, CUDA
+    graphs): the node layers run 64-row tiles summed in parts (their rows are too few for
+    the tuned tiles), the rest our kernels; energy, forces and stress against the float64
+    model within a few times FP32's own error (FP32 in the same engine) plus a few units of
+    FP32 roundoff of the largest value."""
+    from ase_tcfp32._kernels import fp16x3
+    from ase_tcfp32.testing import random_checkpoint
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("fp16x3 is the default on Hopper")
+    model = random_checkpoint(shape)
+    width = {"s": 1024, "m": 1536}[shape]  # the node update's [192 x 2 d_node] -> d_node product
+    assert fp16x3.parts(192, width, 2 * width, torch.device("cuda")) > 1
+    exact = TCPETCalculator(model, device="cuda", dtype="float64").evaluate([water192])[0]
+    errors = {}
+    for precision in ("fp16x3", "fp32"):
+        result = TCPETCalculator(model, device="cuda", precision=precision).evaluate([water192])[0]
+        errors[precision] = [np.abs(result[name] - exact[name]).max() for name in ("energy", "forces", "stress")]
+    scales = [np.abs(exact[name]).max() for name in ("energy", "forces", "stress")]
+    for ours, fp32, scale in zip(errors["fp16x3"], errors["fp32"], scales):
+        assert ours <= 4 * fp32 + 8 * 2.0**-24 * scale, (errors, scales)
