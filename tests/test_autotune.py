@@ -114,24 +114,29 @@ def test_small_products_are_summed_in_parts_that_fill_the_gpu(monkeypatch):
     tiles in parts of the K-tiles, up to one work unit per multiprocessor (PET-S's node
     update at 192 atoms as measured best), no part empty or shorter than PART_TILES; light
     and narrow products to cuBLAS FP32."""
-    from ase_tcfp32._kernels import fp16x3
+    from ase_tcfp32._kernels import fp16x3, triton_gemm
 
-    monkeypatch.setattr(fp16x3, "sm_count", lambda device: 132)
-    gpu = torch.device("cuda")
-    assert fp16x3.parts(192, 4096, 1024, gpu) == 1  # 96 tiles of 64 rows
-    assert fp16x3.parts(192, 1024, 2048, gpu) == 4  # 24 tiles, 64 K-tiles
-    assert fp16x3.parts(192, 1024, 4096, gpu) == 4
-    assert fp16x3.parts(192, 2048, 1024, gpu) == 2
-    assert fp16x3.parts(64, 1024, 2048, gpu) == 16  # 8 tiles
-    assert fp16x3.parts(192, 256, 256, gpu) == 0  # too light for the kernel
-    assert fp16x3.parts(7296, 9, 256, gpu) == 0  # narrow
+    monkeypatch.setattr(triton_gemm, "sm_count", lambda device: 132)
+    gpu, small = torch.device("cuda"), fp16x3.SMALL
+    assert triton_gemm.parts(192, 4096, 1024, gpu, small) == 1  # 96 tiles of 64 rows
+    assert triton_gemm.parts(192, 1024, 2048, gpu, small) == 4  # 24 tiles, 64 K-tiles
+    assert triton_gemm.parts(192, 1024, 4096, gpu, small) == 4
+    assert triton_gemm.parts(192, 2048, 1024, gpu, small) == 2
+    assert triton_gemm.parts(64, 1024, 2048, gpu, small) == 16  # 8 tiles
+    assert triton_gemm.parts(192, 256, 256, gpu, small) == 0  # too light for the kernel
+    assert triton_gemm.parts(7296, 9, 256, gpu, small) == 0  # narrow
     for m in (1, 64, 192, 700, 3000):
         for n in (16, 128, 1000, 4096):
             for k in (8, 40, 264, 1000, 1056, 4128):
-                count, depth = fp16x3.parts(m, n, k, gpu), -(-k // fp16x3.SMALL["BK"])
+                count, depth = triton_gemm.parts(m, n, k, gpu, small), -(-k // small["BK"])
                 if count:
                     chunk = -(-depth // count)
-                    assert (count - 1) * chunk < depth and (count == 1 or chunk >= fp16x3.PART_TILES), (m, n, k, count)
+                    assert (count - 1) * chunk < depth and (count == 1 or chunk >= triton_gemm.PART_TILES), (
+                        m,
+                        n,
+                        k,
+                        count,
+                    )
                     assert count * -(-m // 64) * -(-n // 128) <= 132 or count == 1
 
 

@@ -593,7 +593,7 @@ def test_small_systems_of_pet_mad_shapes_stay_at_fp32s_error(water192, shape):
         pytest.skip("fp16x3 is the default on Hopper")
     model = random_checkpoint(shape)
     width = {"s": 1024, "m": 1536}[shape]  # the node update's [192 x 2 d_node] -> d_node product
-    assert fp16x3.parts(192, width, 2 * width, torch.device("cuda")) > 1
+    assert fp16x3.parts(192, width, 2 * width, torch.device("cuda"), fp16x3.SMALL) > 1
     exact = TCPETCalculator(model, device="cuda", dtype="float64").evaluate([water192])[0]
     errors = {}
     for precision in ("fp16x3", "fp32"):

@@ -7,11 +7,13 @@ import torch
 from helpers import rel_error
 
 from ase_tcfp32._kernels.reference import ReferenceBackend
+from ase_tcfp32._kernels.triton_gemm import SMALL_ROWS, parts, small, tile_config
 from ase_tcfp32.precision import support
 
 pytestmark = pytest.mark.gpu
 
 PRECISIONS = ["tf32", "tf32x3", "bf16x9"]
+SMALL = dict(tile_config(256, 256), **small(SMALL_ROWS))  # the Triton kernel's tiles for few rows
 
 
 def assert_fp32_level(err: float, fp32: float, depth: int, factor: float) -> None:
@@ -56,8 +58,10 @@ def test_triton_matches_reference_and_fp64(triton_backends, precision, shape):
     err, err_ref = rel_error(y, exact), rel_error(y_ref, exact)
     if precision == "tf32":
         assert 1e-5 < err < 2e-3
-    elif m < triton_backends[precision].prepare(w).forward.min_rows:
-        assert torch.equal(y, baseline)  # too small to fill the GPU: cuBLAS FP32 itself
+    elif m < triton_backends[precision].prepare(w).forward.min_rows and (
+        precision == "bf16x9" or not parts(m, n, k, x.device, SMALL)
+    ):
+        assert torch.equal(y, baseline)  # light or narrow, with rows too few to fill the GPU: cuBLAS FP32 itself
     else:
         assert err <= max(2 * err_ref, 2 * fp32), (err, err_ref, fp32)
         if k >= 256:
@@ -144,14 +148,22 @@ def test_cublas_bf16x9_call_reaches_cublas():
         assert torch.equal(y, x @ w.T)
 
 
-def test_gemms_too_small_for_the_gpu_use_cublas_fp32(triton_backends):
-    """192-atom node layers (16-48 tiles on 132 SMs) go to cuBLAS FP32 in FP32-accurate modes."""
-    x = torch.randn(192, 2048, device="cuda")
-    w = torch.randn(1024, 2048, device="cuda")
-    expected = x @ w.T
-    assert torch.equal(run(triton_backends["tf32x3"], x, w), expected)
-    assert torch.equal(run(triton_backends["bf16x9"], x, w), expected)
-    assert not torch.equal(run(triton_backends["tf32"], x, w), expected)  # single pass stays TF32
+def test_gemms_with_few_rows_run_small_tiles_in_parts_and_light_ones_cublas_fp32(triton_backends):
+    """192-atom node layers (16-48 tiles of 128 rows on 132 SMs) run 64-row tiles summed in
+    parts in tf32x3, at FP32's error level against FP64, cuBLAS FP32 in bf16x9; light
+    products (under 2^27 multiply-adds) run cuBLAS FP32; single-pass tf32 stays TF32."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(192, 2048, device="cuda", generator=g)
+    w = torch.randn(1024, 2048, device="cuda", generator=g)
+    exact = x.double() @ w.double().T
+    fp32 = rel_error(x @ w.T, exact)
+    y = run(triton_backends["tf32x3"], x, w)
+    assert not torch.equal(y, x @ w.T)
+    assert_fp32_level(rel_error(y, exact), fp32, 2048, 1.25)
+    assert torch.equal(run(triton_backends["bf16x9"], x, w), x @ w.T)
+    light_x, light_w = x[:, :256].contiguous(), w[:256, :256].contiguous()
+    assert torch.equal(run(triton_backends["tf32x3"], light_x, light_w), light_x @ light_w.T)
+    assert not torch.equal(run(triton_backends["tf32"], x, w), x @ w.T)  # single pass stays TF32
 
 
 FP16X3_CONFIGS = {"bk32": dict(BK=32, STAGES=4), "bk64": dict(BK=64, STAGES=2), "bk16": dict(BK=16, STAGES=6)}
@@ -298,7 +310,8 @@ def test_the_fp16x3_backend_runs_small_node_layers_on_small_tiles(fp16x3):
     backend = fp16x3.Fp16x3Backend()
     prepared = backend.prepare(w)
     assert 192 < prepared.forward.min_rows and 192 < prepared.backward.min_rows
-    assert fp16x3.parts(192, 4096, 1024, x.device) >= 1 and fp16x3.parts(192, 1024, 4096, x.device) > 1
+    assert fp16x3.parts(192, 4096, 1024, x.device, fp16x3.SMALL) >= 1
+    assert fp16x3.parts(192, 1024, 4096, x.device, fp16x3.SMALL) > 1
     y, dx = backend.forward(x, prepared, b), backend.grad_input(gy, prepared)
     assert not torch.equal(y, torch.nn.functional.linear(x, w, b)) and not torch.equal(dx, gy @ w)
     exact, exact_dx = x.double() @ w.double().T + b.double(), gy.double() @ w.double()

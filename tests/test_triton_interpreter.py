@@ -37,6 +37,26 @@ SCRIPT = textwrap.dedent(
             grad = torch.randn(m, n, generator=g)
             dx = triton_.grad_input(grad, triton_.prepare(w))
             assert torch.allclose(dx, grad @ w, rtol=tol, atol=tol), (precision, m, k, n)
+    # products with few rows (the GPU's small path): 64-row tiles give the bits of the tuned
+    # ones; parts of the K-tiles (the bias added once) give the product; an empty part is refused
+    from ase_tcfp32._kernels.triton_gemm import launch
+    triton_ = TritonBackend("tf32x3")
+    x, w, b = torch.randn(70, 200, generator=g), torch.randn(40, 200, generator=g), torch.randn(40, generator=g)
+    gemm = triton_.prepare(w).forward
+    assert torch.equal(launch(x, gemm, b, rows=64), launch(x, gemm, b))
+    for splits in (2, 4):
+        y = launch(x, gemm, b, rows=64, splits=splits)
+        assert y.shape == (70, 40) and torch.allclose(y, x @ w.T + b, rtol=1e-5, atol=1e-5), splits
+    try:
+        launch(x, gemm, b, rows=64, splits=6)  # 7 K-tiles of 32: parts of 2, the sixth empty
+        raise AssertionError("6 parts of 7 K-tiles accepted")
+    except ValueError as error:
+        assert "empty" in str(error)
+    try:
+        launch(x, gemm, b, activation="silu", splits=2)
+        raise AssertionError("an activation in parts accepted")
+    except ValueError as error:
+        assert "bias only" in str(error)
     print("interpreter kernels ok")
     """
 )

@@ -41,7 +41,7 @@ from .context import on_device
 from .epilogue import ACTIVATIONS, Embedding, gl_embedding, gl_silu, gl_swiglu, without_product
 from .gluon_common import descriptor, load_stage, ring, tile_offsets, tma_ready
 from .split import split_fp16x3
-from .triton_gemm import MIN_OUTPUTS, MIN_TERMS, NEVER, min_rows, sm_count
+from .triton_gemm import NEVER, min_rows, parts, parts_fit, sm_count
 
 
 @gluon.jit
@@ -414,7 +414,7 @@ def launch(
         raise ValueError(f"keep needs a multiple of 8 columns (16-byte rows of each half), not {n}")
     if splits > 1 and (residual is not None or activation or rms_eps is not None or keep):
         raise ValueError("a product summed in parts takes a bias only (no residual, activation, norm or keep)")
-    if not _parts_fit(triton.cdiv(k, config["BK"]), splits):
+    if splits > 1 and not parts_fit(triton.cdiv(k, config["BK"]), splits):
         raise ValueError(f"{splits} parts of {triton.cdiv(k, config['BK'])} K-tiles would leave the last one empty")
     embed = isinstance(residual, Embedding)
     tensor = residual is not None and not embed
@@ -464,43 +464,6 @@ def launch(
         return y.view(splits, padded, -1)[:, :m, :out].sum(0)
     y = y if y.shape[1] == out else y[:, :out].contiguous()
     return (y, z) if keep else y
-
-
-PART_TILES = 4
-"""The fewest K-tiles in one part of a product summed in parts (:func:`parts`)."""
-
-MIN_SMALL_WORK = 2**27
-"""The fewest multiply-adds (M N K) for which a product under :func:`~.triton_gemm.min_rows` runs the
-kernel (:data:`SMALL`); lighter ones run cuBLAS FP32. The lightest product measured was
-[6,144 x 128] -> 256 (2e8): 8.7 µs in the kernel, 14.0 in cuBLAS FP32 (H200, CUDA graph)."""
-
-
-def parts(m: int, n: int, k: int, device: torch.device) -> int:
-    """In how many parts of its K-tiles :data:`SMALL` sums each output tile of an [m, n]
-    product of depth ``k`` (fewer rows than :func:`~.triton_gemm.min_rows`): the most (a power of two)
-    that keep the work units (tiles times parts) within one per multiprocessor, each part
-    :data:`PART_TILES` K-tiles or more; 0 where cuBLAS FP32 runs it (under
-    :data:`MIN_SMALL_WORK`, or narrow).
-
-    Measured on the H200 (``benchmarks/experiments/small_products.py``, CUDA graphs, µs):
-    PET-S's node update at 192 atoms, [192 x 1024] -> 4096, [192 x 2048] -> 1024 and their
-    input gradients: cuBLAS FP32 63.4, 55.0, 89.8, 42.1; :data:`CONFIG` in one part 29.4,
-    53.1, 101.1, 28.9; this rule (1, 4, 4 and 2 parts of 64-row tiles) 16.8, 14.1, 20.3,
-    15.0. PET-M's [192 x 6144] -> 1536 input gradient: 247.0, 150.3, 47.3 (8 parts: 40.7).
-    """
-    if n < MIN_OUTPUTS or k < MIN_TERMS or m * n * k < MIN_SMALL_WORK:
-        return 0
-    tiles = triton.cdiv(m, SMALL["BM"]) * triton.cdiv(n, SMALL["BN"])
-    depth = triton.cdiv(k, SMALL["BK"])
-    count = 1
-    while 2 * count * tiles <= sm_count(device) and depth >= 2 * count * PART_TILES and _parts_fit(depth, 2 * count):
-        count *= 2
-    return count
-
-
-def _parts_fit(depth: int, count: int) -> bool:
-    """Whether ``count`` parts of ``cdiv(depth, count)`` K-tiles each leave none empty."""
-    return (count - 1) * triton.cdiv(depth, count) < depth
 
 
 @functools.cache
@@ -564,7 +527,7 @@ def _product(x: torch.Tensor, words: Words | None, bias: torch.Tensor | None = N
         return None
     if x.shape[0] >= words.min_rows:
         return launch(x, words, bias, **epilogue)
-    count = parts(x.shape[0], words.words.shape[1], x.shape[1], x.device)
+    count = parts(x.shape[0], words.words.shape[1], x.shape[1], x.device, SMALL)
     if count == 0:
         return None
     plain = epilogue.get("residual") is None and not epilogue.get("activation")

@@ -16,7 +16,7 @@ The dX backward is the same kernel with the pre-split ``w^T``.
 Offsets are int64 (M up to ~1e7 rows), M is not specialised on (no recompilation as
 the number of atoms changes), and the tile shape is chosen from (N, K). GEMMs too small
 to fill the GPU, and weights holding Inf/NaN, go to cuBLAS FP32 in the FP32-accurate
-modes (:func:`min_rows`).
+modes (:func:`min_rows`), or in tf32x3 to 64-row tiles summed in parts of their K-tiles (:func:`parts`).
 """
 
 from __future__ import annotations
@@ -143,9 +143,14 @@ def _linear_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     GROUP_M: tl.constexpr,
+    SPLITS: tl.constexpr = 1,
 ):
-    # grouped tile order: GROUP_M row-tiles in a row share the W tiles in L2
-    pid = tl.program_id(0)
+    # grouped tile order: GROUP_M row-tiles in a row share the W tiles in L2; with SPLITS > 1
+    # each program sums one part of the tile's K-tiles and stores it at rows part * Mp + row
+    # of y (Mp: M rounded up to whole tiles; the bias in part 0), for the caller to add
+    pid = tl.program_id(0) // SPLITS
+    part = tl.program_id(0) % SPLITS
+    chunk = tl.cdiv(tl.cdiv(K, BK), SPLITS) * BK
     tiles_m = tl.cdiv(M, BM)
     per_group = GROUP_M * tl.cdiv(N, BN)
     first_m = (pid // per_group) * GROUP_M
@@ -160,7 +165,7 @@ def _linear_kernel(
     last = tl.zeros((BM, BN), dtype=tl.float32)  # the previous tile, added one step late
     small = tl.zeros((BM, BN), dtype=tl.float32)  # tensor-core sum of the corrections
     squares = tl.zeros((BM,), dtype=tl.float32)  # with RMS: the rows' sums of squares
-    for k0 in range(0, K, BK):
+    for k0 in range(part * chunk, min(K, (part + 1) * chunk), BK):
         kk = k0 + tl.arange(0, BK)
         a = _load_x(x_ptr, x_desc, rm, kk, row0, k0, M, K, stride_xm, TMA)
         if RMS:
@@ -196,7 +201,7 @@ def _linear_kernel(
     if RMS:  # the input rows' RMS norm: x / sqrt(mean(x^2) + eps) (its weight is in w)
         acc = acc * tl.rsqrt(squares / K + eps)[:, None]
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0)[None, :]
+        acc += tl.load(bias_ptr + rn, mask=(rn < N) & (part == 0), other=0.0)[None, :]
     if HAS_RESIDUAL:
         acc += tl.load(residual_ptr + rm[:, None] * stride_ym + rn[None, :], mask=(rm[:, None] < M) & (rn[None, :] < N))
     if EMBED:
@@ -207,7 +212,8 @@ def _linear_kernel(
     if ACTIVATION == 2:  # SwiGLU: the tile's interleaved pairs give BN // 2 columns of h
         rn = col0.to(tl.int64) // 2 + tl.arange(0, BN // 2)
         N = N // 2
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    at = rm + part * tiles_m * BM
+    tl.store(y_ptr + at[:, None] * stride_ym + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 def tile_config(n: int, k: int) -> dict:
@@ -277,6 +283,45 @@ def min_rows(n: int, k: int, device: torch.device) -> int:
     return (triton.cdiv(sm_count(device), 2 * tiles_n) - 1) * config["BM"] + 1
 
 
+PART_TILES = 4
+"""The fewest K-tiles in one part of a product summed in parts (:func:`parts`)."""
+
+MIN_SMALL_WORK = 2**27
+"""The fewest multiply-adds (M N K) for which a product under :func:`min_rows` runs our
+kernel on small tiles (:func:`parts`); lighter ones run cuBLAS FP32. The lightest product
+measured was [6,144 x 128] -> 256 (2e8): 8.7 µs in the fp16x3 kernel, 14.0 in cuBLAS FP32
+(H200, CUDA graph)."""
+
+
+def parts(m: int, n: int, k: int, device: torch.device, config: dict) -> int:
+    """In how many parts of its K-tiles a kernel with ``config``'s tiles (BM, BN, BK: the
+    small tiles of products under :func:`min_rows`) sums each output tile of an [m, n]
+    product of depth ``k``: the most (a power of two) that keep the work units (tiles times
+    parts) within one per multiprocessor, each part :data:`PART_TILES` K-tiles or more; 0
+    where cuBLAS FP32 runs it (under :data:`MIN_SMALL_WORK`, or narrow).
+
+    Measured on the H200 for fp16x3 (``benchmarks/experiments/small_products.py``, CUDA
+    graphs, µs): PET-S's node update at 192 atoms, [192 x 1024] -> 4096, [192 x 2048] ->
+    1024 and their input gradients: cuBLAS FP32 63.4, 55.0, 89.8, 42.1; 128-row tiles in
+    one part 29.4, 53.1, 101.1, 28.9; this rule (1, 4, 4 and 2 parts of 64-row tiles) 16.8,
+    14.1, 20.3, 15.0. PET-M's [192 x 6144] -> 1536 input gradient: 247.0, 150.3, 47.3 (8
+    parts: 40.7).
+    """
+    if n < MIN_OUTPUTS or k < MIN_TERMS or m * n * k < MIN_SMALL_WORK:
+        return 0
+    tiles = triton.cdiv(m, config["BM"]) * triton.cdiv(n, config["BN"])
+    depth = triton.cdiv(k, config["BK"])
+    count = 1
+    while 2 * count * tiles <= sm_count(device) and depth >= 2 * count * PART_TILES and parts_fit(depth, 2 * count):
+        count *= 2
+    return count
+
+
+def parts_fit(depth: int, count: int) -> bool:
+    """Whether ``count`` parts of ``cdiv(depth, count)`` K-tiles each leave none empty."""
+    return (count - 1) * triton.cdiv(depth, count) < depth
+
+
 @functools.cache
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA ``device`` (asked once per device)."""
@@ -300,17 +345,28 @@ def launch(
     activation: str | None = None,
     rms_eps: float | None = None,
     keep: bool = False,
+    rows: int | None = None,
+    splits: int = 1,
 ):
     """``act(x [M, K] @ w^T + bias + residual)`` with the split weight ``gemm``, as [M, N]
     (:mod:`.epilogue`: the residual a tensor or an :class:`~.epilogue.Embedding` computed
     in the kernel; SwiGLU: [M, N // 2] from a weight split with interleaved rows); with
     ``rms_eps`` each row of the product divided by ``sqrt(mean(x^2) + rms_eps)`` over its
     row of x (an RMS norm before the layer, its weight multiplied into ``w``). With
-    ``keep``, also the pre-activation [M, N] (SwiGLU: as ``[v | g]``): returns ``(y, z)``."""
+    ``keep``, also the pre-activation [M, N] (SwiGLU: as ``[v | g]``): returns ``(y, z)``.
+    ``rows`` replaces the tile's rows of ``gemm.config`` (:func:`small`); with ``splits`` > 1
+    (:func:`parts`; a product and its bias only) each output tile is summed in that many
+    parts of its K-tiles by as many programs, and the parts are added after."""
     m, k = x.shape
     words, n, kp = gemm.words.shape
+    config = dict(gemm.config, **({} if rows is None else small(rows)))
+    if splits > 1 and (residual is not None or activation or rms_eps is not None or keep):
+        raise ValueError("a product summed in parts takes a bias only (no residual, activation, norm or keep)")
+    if splits > 1 and not parts_fit(triton.cdiv(k, config["BK"]), splits):
+        raise ValueError(f"{splits} parts of {triton.cdiv(k, config['BK'])} K-tiles would leave the last one empty")
     out = n // 2 if activation == "swiglu" else n
-    y = torch.empty((m, out), device=x.device, dtype=torch.float32)
+    padded = triton.cdiv(m, config["BM"]) * config["BM"]  # a part's rows: whole tiles
+    y = torch.empty((m if splits == 1 else splits * padded, out), device=x.device, dtype=torch.float32)
     z = torch.empty((m, n), device=x.device, dtype=torch.float32) if keep else None
     if m == 0:
         return (y, z) if keep else y
@@ -318,12 +374,11 @@ def launch(
     tensor = residual is not None and not embed
     if k == 0:
         return without_product(m, n, x.device, bias, residual, activation, keep)
-    config = gemm.config
     tma = gemm.descriptor is not None and _tma_ready(x)
     x_desc = None
     if tma:
         x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [config["BM"], config["BK"]])
-    grid = (triton.cdiv(m, config["BM"]) * gemm.tiles_n,)
+    grid = (triton.cdiv(m, config["BM"]) * gemm.tiles_n * splits,)
     with on_device(x.device):
         _linear_kernel[grid](
             x,
@@ -351,17 +406,26 @@ def launch(
             ACTIVATION=ACTIVATIONS[activation],
             RMS=rms_eps is not None,
             KEEP=keep,
+            SPLITS=splits,
             **config,
         )
+    if splits > 1:  # the parts added in a fixed order: torch's sum over the first dimension
+        return y.view(splits, padded, out)[:, :m].sum(0)
     return (y, z) if keep else y
+
+
+def small(rows: int) -> dict:
+    """The launch parameters that change for tiles of ``rows`` rows (64: one warpgroup)."""
+    return dict(BM=rows, num_warps=4)
 
 
 class TritonBackend:
     """Our Triton kernels, with the layer interface of every backend.
 
-    In tf32x3 and bf16x9, GEMMs too small to fill the GPU run cuBLAS FP32 instead
-    (:func:`min_rows`), and so do weights holding Inf/NaN (their outputs are Inf/NaN
-    wherever torch's are); single-pass tf32 always runs its kernel.
+    GEMMs with too few rows to fill the GPU (:func:`min_rows`) run 64-row tiles summed in
+    :func:`parts` in tf32x3 and cuBLAS FP32 in bf16x9; light or narrow ones run cuBLAS FP32,
+    and so do weights holding Inf/NaN (their outputs are Inf/NaN wherever torch's are);
+    single-pass tf32 always runs its tuned kernel.
     """
 
     name = "triton"
@@ -417,10 +481,8 @@ class TritonBackend:
         )
 
     def forward(self, x: torch.Tensor, prepared: Prepared, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] < prepared.forward.min_rows:
-            return torch.nn.functional.linear(x, prepared.weight, bias)
-        bias = None if bias is None else bias.detach().contiguous()
-        return self.launch(x, prepared.forward, bias)
+        y = self._product(x, prepared.forward, None if bias is None else bias.detach().contiguous())
+        return torch.nn.functional.linear(x, prepared.weight, bias) if y is None else y
 
     def fused(
         self,
@@ -435,12 +497,31 @@ class TritonBackend:
         """``act(x @ weight.T + bias + residual)`` in one kernel (:mod:`.epilogue`; ``rms_eps``,
         ``keep``: see :func:`launch`), or None where :meth:`forward` would not run the
         kernel (the caller composes the steps)."""
-        if x.shape[0] < prepared.forward.min_rows:
-            return None
         bias = None if bias is None else bias.detach().contiguous()
-        return self.launch(x, prepared.forward, bias, residual, activation, rms_eps, keep)
+        return self._product(
+            x, prepared.forward, bias, residual=residual, activation=activation, rms_eps=rms_eps, keep=keep
+        )
 
     def grad_input(self, grad_y: torch.Tensor, prepared: Prepared) -> torch.Tensor:
-        if grad_y.shape[0] < prepared.backward.min_rows:
-            return grad_y @ prepared.weight
-        return self.launch(grad_y, prepared.backward)
+        dx = self._product(grad_y, prepared.backward)
+        return grad_y @ prepared.weight if dx is None else dx
+
+    def _product(self, x: torch.Tensor, gemm: Gemm, bias: torch.Tensor | None = None, **epilogue):
+        """:meth:`launch` from ``gemm.min_rows`` rows on; below, in tf32x3, :func:`launch` on
+        64-row tiles (in :func:`parts` when there is no epilogue); None where cuBLAS FP32 runs
+        the product (light or narrow products, Inf/NaN weights, bf16x9 below ``min_rows``:
+        its nine products on small tiles were not measured)."""
+        if x.shape[0] >= gemm.min_rows:
+            return self.launch(x, gemm, bias, **epilogue)
+        if self.precision != "tf32x3" or gemm.min_rows == NEVER:
+            return None
+        count = parts(x.shape[0], gemm.words.shape[1], x.shape[1], x.device, dict(gemm.config, **small(SMALL_ROWS)))
+        if count == 0:
+            return None
+        plain = epilogue.get("residual") is None and not epilogue.get("activation")
+        plain = plain and epilogue.get("rms_eps") is None and not epilogue.get("keep")
+        return launch(x, gemm, bias, **epilogue, rows=SMALL_ROWS, splits=count if plain else 1)
+
+
+SMALL_ROWS = 64
+"""The tiles' rows for products under :func:`min_rows` (one warpgroup; see :func:`parts`)."""

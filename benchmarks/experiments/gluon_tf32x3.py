@@ -231,7 +231,8 @@ def launch(x: torch.Tensor, gemm: Gemm, bias: torch.Tensor | None = None, config
 
 class GluonBackend(TritonBackend):
     """tf32x3 through :func:`launch` on Hopper (sm_90), with :class:`TritonBackend`'s
-    weight words and small-GEMM rule (cuBLAS FP32 below :func:`triton_gemm.min_rows`)."""
+    weight words and small-GEMM rule (below :func:`triton_gemm.min_rows`: the Triton kernel's
+    small tiles, or cuBLAS FP32)."""
 
     name = "gluon"
     launch = staticmethod(launch)

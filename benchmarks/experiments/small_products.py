@@ -1,14 +1,16 @@
 """Products too small to fill the GPU: cuBLAS FP32 against the fp16x3 kernel summing each
 output tile in parts of its K-tiles (``fp16x3.launch(..., splits=S)``), in CUDA graphs
 (Triton's ``do_bench_cudagraph``, as a replayed MD step runs them): µs per product, error vs
-FP64 as a multiple of cuBLAS FP32's, and the package's choice (``fp16x3.parts``).
+FP64 as a multiple of cuBLAS FP32's, and the package's choice (``triton_gemm.parts``).
 
-    python benchmarks/experiments/small_products.py [--rows 64,192,576,1152] [--out small_products.json]
+    python benchmarks/experiments/small_products.py [--rows 64,192,576,1152] [--kernels fp16x3,tf32x3]
+                                                    [--out small_products.json]
 
 Shapes: PET-S's and PET-M's node update (the center MLP, forward and input gradient) and
 the edge products with 128 outputs, whose tiles occupy a few dozen of the GPU's
-multiprocessors at a few hundred atoms. Decided (design page, "Small systems"): the
-products summed in parts and the work from which they are.
+multiprocessors at a few hundred atoms; the fp16x3 kernel and the Triton tf32x3 kernel
+(``triton_gemm.launch(..., rows=64, splits=S)``). Decided (design page, "Small products"):
+the products summed in parts and the work from which they are.
 """
 
 import argparse
@@ -17,7 +19,7 @@ import json
 import torch
 from triton.testing import do_bench_cudagraph
 
-from ase_tcfp32._kernels import fp16x3
+from ase_tcfp32._kernels import fp16x3, triton_gemm
 from ase_tcfp32._kernels.triton_gemm import min_rows
 
 NODE = {"s": 1024, "m": 1536}
@@ -47,46 +49,65 @@ def error(y: torch.Tensor, exact: torch.Tensor) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="64,192,576,1152")
+    parser.add_argument("--kernels", default="fp16x3")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     results = []
-    configs = {"128": fp16x3.CONFIG, "64": dict(fp16x3.CONFIG, BM=64, num_warps=4)}
-    for name, m, k, n in shapes([int(r) for r in args.rows.split(",")]):
+    for kernel in args.kernels.split(","):
+        results += measure(kernel, [int(r) for r in args.rows.split(",")])
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def measure(kernel: str, rows: list[int]) -> list[dict]:
+    """Rows of results for ``kernel`` (fp16x3, or a precision of the Triton kernel)."""
+    results = []
+    if kernel == "fp16x3":
+        configs = {"128": fp16x3.CONFIG, "64": fp16x3.SMALL}
+    else:
+        configs = {"tuned": None, "64": triton_gemm.small(triton_gemm.SMALL_ROWS)}
+        backend = triton_gemm.TritonBackend(kernel)
+    for name, m, k, n in shapes(rows):
         g = torch.Generator(device="cuda").manual_seed(m + k + n)
         x = torch.randn(m, k, device="cuda", generator=g)
         w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
         b = torch.randn(n, device="cuda", generator=g)
         exact = x.double() @ w.double().T + b.double()
-        words = fp16x3.split_weight(w)
+        if kernel == "fp16x3":
+            words = fp16x3.split_weight(w)
+            small = fp16x3.SMALL
+        else:
+            words = backend.prepare(w).forward
+            small = dict(words.config, **configs["64"])
         fp32 = error(x @ w.T + b, exact)
-        row = {"name": name, "M": m, "K": k, "N": n, "min_rows": min_rows(n, k, x.device)}
-        row["chosen_parts"] = fp16x3.parts(m, n, k, x.device)
+        row = {"kernel": kernel, "name": name, "M": m, "K": k, "N": n, "min_rows": min_rows(n, k, x.device)}
+        row["chosen_parts"] = triton_gemm.parts(m, n, k, x.device, small)
         row["cublas_us"] = 1000 * do_bench_cudagraph(lambda: torch.nn.functional.linear(x, w, b), rep=50)
         for label, config in configs.items():
             for splits in (1, 2, 4, 8, 16):
-                depth = -(-k // config["BK"])
-                chunk = -(-depth // splits)
-                if splits > 1 and (splits - 1) * chunk >= depth:
+                if not triton_gemm.parts_fit(-(-k // 32), splits) or (label == "tuned" and splits > 1):
                     continue
 
                 def run(config=config, splits=splits):
-                    return fp16x3.launch(x, words, b, config, splits=splits)
+                    if kernel == "fp16x3":
+                        return fp16x3.launch(x, words, b, config, splits=splits)
+                    rows = None if config is None else triton_gemm.SMALL_ROWS
+                    return triton_gemm.launch(x, words, b, rows=rows, splits=splits)
 
                 y = run()
                 row[f"BM{label}_S{splits}_us"] = 1000 * do_bench_cudagraph(run, rep=50)
                 row[f"BM{label}_S{splits}_err"] = error(y, exact) / fp32
         best = min((v, key) for key, v in row.items() if key.endswith("_us"))
         print(
-            f"{name:22s} M={m:5d} K={k:4d} N={n:4d} min_rows={row['min_rows']:5d} chosen S={row['chosen_parts']}: "
+            f"{kernel} {name:22s} M={m:5d} K={k:4d} N={n:4d} min_rows={row['min_rows']:5d} chosen S={row['chosen_parts']}: "
             f"cuBLAS {row['cublas_us']:.1f} µs; best {best[1]} {best[0]:.1f}; "
             + " ".join(f"{key[:-3]}={v:.1f}" for key, v in row.items() if key.endswith("_us") and key != "cublas_us")
             + f"; err/fp32 max {max(v for key, v in row.items() if key.endswith('_err')):.2f}",
             flush=True,
         )
         results.append(row)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    return results
 
 
 if __name__ == "__main__":
