@@ -44,6 +44,12 @@ SCRIPT = textwrap.dedent(
     x, w, b = torch.randn(70, 200, generator=g), torch.randn(40, 200, generator=g), torch.randn(40, generator=g)
     gemm = triton_.prepare(w).forward
     assert torch.equal(launch(x, gemm, b, rows=64), launch(x, gemm, b))
+    r = torch.randn(70, 40, generator=g)
+    for epilogue in ({"residual": r}, {"activation": "silu", "keep": True}, {"activation": "swiglu", "keep": True},
+                     {"rms_eps": 1e-5}):
+        small, tuned = launch(x, gemm, b, rows=64, **epilogue), launch(x, gemm, b, **epilogue)
+        for one, other in zip(*((t,) if isinstance(t, torch.Tensor) else t for t in (small, tuned))):
+            assert torch.equal(one, other), epilogue
     for splits in (2, 4):
         y = launch(x, gemm, b, rows=64, splits=splits)
         assert y.shape == (70, 40) and torch.allclose(y, x @ w.T + b, rtol=1e-5, atol=1e-5), splits
