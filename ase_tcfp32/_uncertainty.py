@@ -231,8 +231,9 @@ def warn_above(threshold: float, sigmas: list[np.ndarray]) -> None:
     above = [(k, atoms) for k, atoms in above if len(atoms)]
     if not above:
         return
-    where = f"atoms {_listed(above[0][1])}"
-    if len(sigmas) > 1:
+    if len(sigmas) == 1:
+        where = f"atoms {_listed(above[0][1])}"
+    else:
         where = "; ".join(f"structure {k}: atoms {_listed(atoms)}" for k, atoms in above)
     warnings.warn(
         "Some of the atomic energy uncertainties are larger than the threshold of "

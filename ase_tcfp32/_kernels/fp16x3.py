@@ -41,7 +41,7 @@ from .context import on_device
 from .epilogue import ACTIVATIONS, Embedding, gl_embedding, gl_silu, gl_swiglu, without_product
 from .gluon_common import descriptor, load_stage, ring, tile_offsets, tma_ready
 from .split import split_fp16x3
-from .triton_gemm import NEVER, min_rows, parts, parts_fit, sm_count
+from .triton_gemm import NEVER, SMALL_ROWS, check_parts, min_rows, parts, plain, sm_count, small
 
 
 @gluon.jit
@@ -340,7 +340,7 @@ Not a 64-column tile: tuned on 262,144 rows it won for N = K = 256, and was 20% 
 :data:`CONFIG` on PET's 700,000 (H200)."""
 
 
-SMALL = dict(CONFIG, BM=64, num_warps=4)
+SMALL = dict(CONFIG, **small(SMALL_ROWS))
 """The launch for products with too few rows for :data:`CONFIG`'s tiles to occupy half of
 the multiprocessors (:func:`~.triton_gemm.min_rows`): 64-row tiles, one consumer
 warpgroup, their K-tiles summed in :func:`parts` (the same K-tile, so one part gives the
@@ -412,10 +412,7 @@ def launch(
         return without_product(m, n, x.device, bias, residual, activation, keep)
     if keep and n % 8:
         raise ValueError(f"keep needs a multiple of 8 columns (16-byte rows of each half), not {n}")
-    if splits > 1 and (residual is not None or activation or rms_eps is not None or keep):
-        raise ValueError("a product summed in parts takes a bias only (no residual, activation, norm or keep)")
-    if splits > 1 and not parts_fit(triton.cdiv(k, config["BK"]), splits):
-        raise ValueError(f"{splits} parts of {triton.cdiv(k, config['BK'])} K-tiles would leave the last one empty")
+    check_parts(splits, triton.cdiv(k, config["BK"]), plain(residual, activation, rms_eps, keep))
     embed = isinstance(residual, Embedding)
     tensor = residual is not None and not embed
     out = n // 2 if activation == "swiglu" else n
@@ -530,6 +527,4 @@ def _product(x: torch.Tensor, words: Words | None, bias: torch.Tensor | None = N
     count = parts(x.shape[0], words.words.shape[1], x.shape[1], x.device, SMALL)
     if count == 0:
         return None
-    plain = epilogue.get("residual") is None and not epilogue.get("activation")
-    plain = plain and epilogue.get("rms_eps") is None and not epilogue.get("keep")
-    return launch(x, words, bias, SMALL, splits=count if plain else 1, **epilogue)
+    return launch(x, words, bias, SMALL, splits=count if plain(**epilogue) else 1, **epilogue)

@@ -322,6 +322,20 @@ def parts_fit(depth: int, count: int) -> bool:
     return (count - 1) * triton.cdiv(depth, count) < depth
 
 
+def plain(residual=None, activation: str | None = None, rms_eps: float | None = None, keep: bool = False) -> bool:
+    """Whether a launch's epilogue is its bias at most: what a product summed in parts allows."""
+    return residual is None and not activation and rms_eps is None and not keep
+
+
+def check_parts(splits: int, depth: int, bias_only: bool) -> None:
+    """A clear error for ``splits`` parts of ``depth`` K-tiles that a launch cannot sum:
+    with an epilogue beyond the bias, or with a part left empty."""
+    if splits > 1 and not bias_only:
+        raise ValueError("a product summed in parts takes a bias only (no residual, activation, norm or keep)")
+    if splits > 1 and not parts_fit(depth, splits):
+        raise ValueError(f"{splits} parts of {depth} K-tiles would leave the last one empty")
+
+
 @functools.cache
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA ``device`` (asked once per device)."""
@@ -360,10 +374,7 @@ def launch(
     m, k = x.shape
     words, n, kp = gemm.words.shape
     config = dict(gemm.config, **({} if rows is None else small(rows)))
-    if splits > 1 and (residual is not None or activation or rms_eps is not None or keep):
-        raise ValueError("a product summed in parts takes a bias only (no residual, activation, norm or keep)")
-    if splits > 1 and not parts_fit(triton.cdiv(k, config["BK"]), splits):
-        raise ValueError(f"{splits} parts of {triton.cdiv(k, config['BK'])} K-tiles would leave the last one empty")
+    check_parts(splits, triton.cdiv(k, config["BK"]), plain(residual, activation, rms_eps, keep))
     out = n // 2 if activation == "swiglu" else n
     padded = triton.cdiv(m, config["BM"]) * config["BM"]  # a part's rows: whole tiles
     y = torch.empty((m if splits == 1 else splits * padded, out), device=x.device, dtype=torch.float32)
@@ -412,6 +423,10 @@ def launch(
     if splits > 1:  # the parts added in a fixed order: torch's sum over the first dimension
         return y.view(splits, padded, out)[:, :m].sum(0)
     return (y, z) if keep else y
+
+
+SMALL_ROWS = 64
+"""The tiles' rows for products under :func:`min_rows` (one warpgroup; see :func:`parts`)."""
 
 
 def small(rows: int) -> dict:
@@ -518,10 +533,4 @@ class TritonBackend:
         count = parts(x.shape[0], gemm.words.shape[1], x.shape[1], x.device, dict(gemm.config, **small(SMALL_ROWS)))
         if count == 0:
             return None
-        plain = epilogue.get("residual") is None and not epilogue.get("activation")
-        plain = plain and epilogue.get("rms_eps") is None and not epilogue.get("keep")
-        return launch(x, gemm, bias, **epilogue, rows=SMALL_ROWS, splits=count if plain else 1)
-
-
-SMALL_ROWS = 64
-"""The tiles' rows for products under :func:`min_rows` (one warpgroup; see :func:`parts`)."""
+        return launch(x, gemm, bias, **epilogue, rows=SMALL_ROWS, splits=count if plain(**epilogue) else 1)
