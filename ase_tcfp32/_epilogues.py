@@ -14,6 +14,8 @@ runs them in the layer's own kernel where it can:
 - an activation between two layers, with gradients (:func:`pair`): the first layer's
   kernel writes ``h`` and keeps its pre-activation ``z`` for the backward pass (stored by
   TMA like ``h``), so the activation's forward pass over ``z`` does not run (:class:`_Pair`);
+  the compression's folded embeddings are computed in that kernel too, and their backward
+  (SiLU's gradient and the K = 4 product's) is one pass (:mod:`ase_tcfp32._kernels.folded`);
 - an activation, the folded embeddings and an RMS norm before the layer, where no
   gradient is asked for (energy-only calls, direct forces, the inner steps of multiple
   time stepping): the layer then writes ``h`` only, not the pre-activation that a
@@ -41,6 +43,7 @@ from torch.autograd.function import once_differentiable
 from . import watchdog
 from ._backends import get_backend
 from ._fused import frozen_rms_norm, rms_eps, swiglu
+from ._kernels import folded
 from ._kernels.context import INTERPRETED
 from ._kernels.epilogue import Embedding, activation_grad
 from .layers import TCLinear, _grad_input
@@ -173,21 +176,29 @@ def linear(
 
 
 class _Pair(torch.autograd.Function):
-    """``second(act(first(x) + inner)) + residual`` (``inner``, ``residual`` tensors or None):
-    forward, the first layer's kernel writes ``h`` and keeps the pre-activation ``z`` (the
-    activation's own pass is not run), the second adds the residual; backward, the second
-    layer's input gradient, the activation's (one pass over ``z``) and the first layer's.
-    Where a kernel declines (too few rows), that step runs unfused, with the same result."""
+    """``second(act(first(x) + inner)) + residual`` (``inner``, ``residual`` tensors or None;
+    with ``fold``, the ``(table, index, matrix)`` of an :class:`~ase_tcfp32._kernels.epilogue.Embedding`
+    whose ``geometry`` is the fourth input, ``inner`` then None): forward, the first layer's
+    kernel writes ``h`` and keeps the pre-activation ``z`` (the activation's own pass is not
+    run; a folded embedding computed in its epilogue, not read), the second adds the
+    residual; backward, the second layer's input gradient, the activation's (one pass over
+    ``z``, with the geometry's gradient for a folded embedding: :mod:`ase_tcfp32._kernels.folded`)
+    and the first layer's. Where a kernel declines (too few rows), that step runs unfused,
+    with the same result."""
 
     @staticmethod
-    def forward(ctx, x, inner, residual, first, second, backend, activation):
+    def forward(ctx, x, inner, residual, geometry, first, second, backend, activation, fold):
         device = x.device
         if activation == "swiglu":
             prepared, bias = _derived(first, backend, device, None, True)
         else:
             prepared, bias = first.prepared_weight(device), first.bias
+        if fold is not None:
+            table, index, matrix = fold
+            inner = Embedding(table, index, geometry, matrix)
         out = backend.fused(x, prepared, bias, inner, activation, keep=True)
         if out is None:
+            inner = inner.tensor() if isinstance(inner, Embedding) else inner
             z = first(x) if inner is None else first(x) + inner
             h = _activated(z, activation)
         else:
@@ -199,21 +210,29 @@ class _Pair(torch.autograd.Function):
             watchdog.count_call(second, "forward")
         ctx.save_for_backward(z)
         ctx.layers, ctx.backend, ctx.activation = (first, second), backend, activation
+        ctx.matrix = None if fold is None else fold[2]
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y):
         (z,) = ctx.saved_tensors
-        (first, second), backend = ctx.layers, ctx.backend
+        (first, second), backend, matrix = ctx.layers, ctx.backend, ctx.matrix
+        needs = ctx.needs_input_grad
         grad_y = grad_y.contiguous()
         grad_h = _grad_input(backend, second.prepared_weight(grad_y.device), second, grad_y, second.weight)
-        grad_z = activation_grad(grad_h, z, ctx.activation)
+        grad_geometry = None
+        if matrix is not None and needs[3] and ctx.activation == "silu":
+            grad_z, grad_geometry = folded.backward(grad_h, z, matrix)
+        else:
+            grad_z = activation_grad(grad_h, z, ctx.activation)
+            if matrix is not None and needs[3]:
+                grad_geometry = grad_z @ matrix
         grad_x = None
-        if ctx.needs_input_grad[0]:
+        if needs[0]:
             grad_x = _grad_input(backend, first.prepared_weight(grad_y.device), first, grad_z, first.weight)
-        needs = ctx.needs_input_grad
-        return grad_x, grad_z if needs[1] else None, grad_y if needs[2] else None, None, None, None, None
+        grad_inner = grad_z if needs[1] else None
+        return grad_x, grad_inner, grad_y if needs[2] else None, grad_geometry, None, None, None, None, None
 
 
 def pair(
@@ -228,24 +247,29 @@ def pair(
     """``second(act(first(norm(x)) + inner)) + residual``: two Linear layers with an
     ``activation`` (``"silu"`` or ``"swiglu"``) between them, through :func:`linear`, or,
     with gradients, :class:`_Pair` (the activation in the first layer's kernel, which also
-    keeps the pre-activation for the backward pass)."""
+    keeps the pre-activation for the backward pass, and computes a folded embedding
+    ``inner`` there too)."""
     backend = _kernel_backend(first, x)
-    tensors = [t for t in (x, inner, residual) if isinstance(t, torch.Tensor)]
+    embedded = isinstance(inner, Embedding)
+    tensors = [t for t in (x, inner.geometry if embedded else inner, residual) if isinstance(t, torch.Tensor)]
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    if isinstance(inner, Embedding) and (grad or backend is None):
-        inner = inner.tensor().reshape(*x.shape[:-1], -1)
     if (
         not grad
         or backend is None
         or _kernel_backend(second, x) is not backend
         or any(watchdog.due(layer, "forward") for layer in (first, second))
     ):
+        if embedded and (grad or backend is None):
+            inner = inner.tensor().reshape(*x.shape[:-1], -1)
         return linear(second, linear(first, x, inner, activation, norm), residual)
     if norm is not None:
         x = norm(x)
     shape = x.shape[:-1]
-    flat = [None if t is None else t.reshape(-1, t.shape[-1]).contiguous() for t in (x, inner, residual)]
-    y = _Pair.apply(*flat, first, second, backend, activation)
+    fold, geometry = None, None
+    if embedded:
+        fold, geometry, inner = (inner.table, inner.index.reshape(-1), inner.matrix), inner.geometry, None
+    flat = [None if t is None else t.reshape(-1, t.shape[-1]).contiguous() for t in (x, inner, residual, geometry)]
+    y = _Pair.apply(*flat, first, second, backend, activation, fold)
     return y.reshape(*shape, y.shape[-1])
 
 

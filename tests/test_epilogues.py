@@ -3,6 +3,7 @@ the GEMM kernels' epilogues, ase_tcfp32._kernels.epilogue): the same values as t
 one by one, on CPU (Triton's interpreter for the kernels' logic) and on the GPU (where the
 tensor-core products and the hardware's exp2 run)."""
 
+import contextlib
 import textwrap
 
 import numpy as np
@@ -137,11 +138,15 @@ INTERPRETED = textwrap.dedent(
     first = TCLinear(48, 64, precision="tf32x3").requires_grad_(False)
     table, matrix = torch.randn(5, 64, generator=g), torch.randn(64, 4, generator=g)
     index, geometry = torch.randint(0, 5, (200,), generator=g), torch.randn(200, 4, generator=g)
-    for activation, inner in (("silu", None), ("swiglu", None), ("silu", "embedding")):
+    # (the folded embeddings computed in the first kernel; "geometry": only they need gradients,
+    # as in the first GNN layer, whose input messages do not depend on the positions)
+    for activation, inner in (("silu", None), ("swiglu", None), ("silu", "embedding"), ("silu", "geometry")):
         second = TCLinear(32 if activation == "swiglu" else 64, 48, precision="tf32x3").requires_grad_(False)
         values = []
         for run in ("fused", "unfused"):
             xg, rg, gg = x.clone().requires_grad_(), x.clone().requires_grad_(), geometry.clone().requires_grad_()
+            if inner == "geometry":
+                xg, rg = xg.detach(), rg.detach()
             extra = None if inner is None else Embedding(table, index, gg, matrix)
             before = len(calls)
             with _epilogues.unfused() if run == "unfused" else contextlib.nullcontext():
@@ -152,6 +157,17 @@ INTERPRETED = textwrap.dedent(
         for fused_value, plain in zip(*values):
             assert (fused_value is None) == (plain is None), activation
             assert plain is None or torch.allclose(fused_value, plain, rtol=1e-5, atol=1e-4), activation
+    # the folded embeddings' backward in one pass: SiLU's gradient and the K = 4 product's, against float64
+    from ase_tcfp32._kernels import folded
+    for m, n in [(37, 20), (300, 256), (5, 130)]:
+        z, dh, mat = torch.randn(m, n, generator=g) * 4, torch.randn(m, n, generator=g), torch.randn(n, 4, generator=g)
+        dz, dgeometry = folded.backward(dh, z, mat)
+        s = torch.sigmoid(z.double())
+        exact = dh.double() * s * (1 + z.double() * (1 - s))
+        scale = dh.double().abs() * s * (1 + z.double().abs())  # 1 + z (1 - s) may cancel; 1 - s rounds
+        assert ((dz.double() - exact).abs() <= 8 * u * scale + 1e-30).all(), (m, n)
+        bound = exact.abs() @ mat.double().abs() * (n + 8) * u
+        assert ((dgeometry.double() - exact @ mat.double()).abs() <= bound).all(), (m, n)
     # the kernel alone: the kept pre-activation ([v | g] for SwiGLU) against float64
     for m, k, n in [(37, 40, 20), (130, 64, 66)]:
         x1, w1, b1 = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
@@ -325,6 +341,58 @@ def test_fused_epilogues_on_the_gpu(precision):
         assert (z.double() - exact).abs().max() <= 1.5 * (steps.double() - exact).abs().max() + 1e-6
         interleaved = interleave(z.T).T if activation == "swiglu" else z
         assert torch.allclose(h, activate(interleaved, activation), rtol=8 * U, atol=1e-30)
+
+
+def _double(layer: torch.nn.Linear) -> torch.nn.Linear:
+    """A float64 ``nn.Linear`` with ``layer``'s weights."""
+    double = torch.nn.Linear(layer.in_features, layer.out_features, device=layer.weight.device, dtype=torch.float64)
+    with torch.no_grad():
+        double.weight.copy_(layer.weight), double.bias.copy_(layer.bias)
+    return double.requires_grad_(False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp16x3", "tf32x3"])
+def test_folded_compression_with_gradients_on_the_gpu(precision):
+    """The compression's two layers with gradients (_epilogues.pair): the folded embeddings
+    computed in the first kernel and their backward in one pass (SiLU's gradient and the
+    geometry's, ase_tcfp32._kernels.folded). Output and input gradients no further from
+    float64 than the steps one by one; the output the same bits as without gradients."""
+    device = torch.device("cuda")
+    g = torch.Generator(device=device).manual_seed(0)
+    m, d = 30_000, 256
+    first = TCLinear(d, d, precision=precision).to(device).requires_grad_(False)
+    second = TCLinear(d, d, precision=precision).to(device).requires_grad_(False)
+    x = torch.randn(m, d, generator=g, device=device)
+    table, index = torch.randn(5, d, generator=g, device=device), torch.randint(0, 5, (m,), generator=g, device=device)
+    geometry, matrix = torch.randn(m, 4, generator=g, device=device) * 3, torch.randn(d, 4, generator=g, device=device)
+    grad_y = torch.randn(m, d, generator=g, device=device)
+    results = {}
+    for run in ("fused", "unfused", "fp64"):
+        dtype = torch.float64 if run == "fp64" else torch.float32
+        layers = [_double(layer) if run == "fp64" else layer for layer in (first, second)]
+        xg, gg = (t.to(dtype, copy=True).requires_grad_() for t in (x, geometry))
+        inner = Embedding(table.to(dtype), index, gg, matrix.to(dtype))
+        with _epilogues.unfused() if run != "fused" else contextlib.nullcontext():
+            y = _epilogues.pair(*layers, xg, "silu", inner)
+        y.backward(grad_y.to(dtype))
+        results[run] = [t.detach().double() for t in (y, xg.grad, gg.grad)]
+    for k, (fused, unfused, exact) in enumerate(zip(results["fused"], results["unfused"], results["fp64"])):
+        errors = [(t - exact).abs().max().item() for t in (fused, unfused)]
+        assert errors[0] <= 1.5 * errors[1] + 16 * U * exact.abs().max().item(), (k, errors)
+    with torch.no_grad():
+        plain = _epilogues.pair(first, second, x, "silu", Embedding(table, index, geometry, matrix))
+    assert torch.equal(plain.double(), results["fused"][0])
+    # the backward kernel alone against float64 (libdevice's exp on the GPU)
+    from ase_tcfp32._kernels import folded
+
+    z, dh = torch.randn(m, d, generator=g, device=device) * 6, torch.randn(m, d, generator=g, device=device)
+    dz, dgeometry = folded.backward(dh, z, matrix)
+    s = torch.sigmoid(z.double())
+    exact = dh.double() * s * (1 + z.double() * (1 - s))
+    assert ((dz.double() - exact).abs() <= 8 * U * dh.double().abs() * s * (1 + z.double().abs()) + 1e-30).all()
+    bound = exact.abs() @ matrix.double().abs() * (d + 8) * U
+    assert ((dgeometry.double() - exact @ matrix.double()).abs() <= bound).all()
 
 
 @pytest.mark.gpu
