@@ -21,6 +21,7 @@ import warnings
 
 import torch
 from torch.autograd.function import once_differentiable
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ._epilogues import linear
 from ._kernels.context import INTERPRETED
@@ -107,10 +108,23 @@ def tc_attention(qkv: torch.Tensor, mask: torch.Tensor, heads: int, scale: float
     return _AttentionFunction.apply(qkv, mask, heads, scale)
 
 
+_BLOCKS = WeakIdKeyDictionary()
+"""The packed kernels' blocks, per set of sequences (by their ``counts`` tensor) and head shape."""
+
+
+def _blocks(sequences, heads: int, head_dim: int):
+    """:func:`ase_tcfp32._kernels.attention.packed_blocks` of ``sequences``, fitted once for
+    all the attention layers of an evaluation (one launch per step, not one per layer)."""
+    fitted = _BLOCKS.setdefault(sequences.counts, {})
+    if (heads, head_dim) not in fitted:
+        fitted[heads, head_dim] = _kernels().packed_blocks(sequences, heads, head_dim)
+    return fitted[heads, head_dim]
+
+
 class _PackedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, node_qkv, bias, sequences, heads, scale):
-        blocks = _kernels().packed_blocks(sequences, heads, qkv.shape[1] // (3 * heads))  # the backward's too
+        blocks = _blocks(sequences, heads, qkv.shape[1] // (3 * heads))  # the backward's too
         ctx.sequences, ctx.heads, ctx.scale = sequences, heads, scale
         ctx.save_for_backward(qkv, node_qkv, bias, *blocks)
         return _kernels().forward_packed(qkv, node_qkv, bias, sequences, heads, scale, blocks=blocks)

@@ -284,6 +284,35 @@ def test_packed_attention_head_groups_in_the_triton_interpreter():
     )
 
 
+def test_the_attention_layers_of_an_evaluation_share_their_blocks():
+    """The packed kernels' blocks are fitted once per set of sequences (an evaluation's),
+    whatever the number of attention layers; new sequences get their own (Triton's
+    interpreter)."""
+    interpret(
+        textwrap.dedent(
+            """
+            import torch
+            from ase_tcfp32 import _attention
+            from ase_tcfp32._kernels import attention
+
+            launches = []
+            fit = attention.fit_blocks
+            attention.fit_blocks = lambda *args: launches.append(args) or fit(*args)
+            counts = torch.tensor([30, 12, 0, 25])
+            first = torch.cumsum(counts, 0) - counts
+            sequences = attention.Sequences(first, counts, counts.sum(), 42)
+            blocks = [_attention._blocks(sequences, 8, 32) for layer in range(3)]
+            assert len(launches) == 1 and all(b is blocks[0] for b in blocks)
+            again = attention.Sequences(first, counts.clone(), counts.sum(), 42)  # the next evaluation's
+            assert _attention._blocks(again, 8, 32) is not blocks[0] and len(launches) == 2
+            assert torch.equal(_attention._blocks(again, 8, 32).order, blocks[0].order)
+            print("shared blocks ok")
+            """
+        ),
+        "shared blocks ok",
+    )
+
+
 @pytest.mark.gpu
 def test_packed_attention_head_groups_on_the_gpu():
     """:func:`check_head_groups` compiled for the GPU."""
