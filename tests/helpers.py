@@ -133,6 +133,29 @@ def check_pre_norm(device: str) -> None:
         assert residual is tensor and tokens is tensor and left is norm
 
 
+def check_narrow(device: str) -> None:
+    """The narrow-product kernel (PET's heads' last layers: 1, 3 or 9 outputs) against
+    float64 within FP32's summation bound, with and without a bias, on partial row blocks
+    and a strided input; fewer than 8 terms and more than 16 outputs left to torch."""
+    from ase_tcfp32._kernels import narrow
+
+    g = torch.Generator(device).manual_seed(5)
+    u = 2.0**-24
+    for m, k, n in [(6400, 256, 1), (6400, 256, 3), (193, 384, 9), (5, 16, 16), (1000, 8, 2)]:
+        x = torch.randn(m, k + 3, device=device, generator=g)[:, 3:]  # rows of stride k + 3
+        w, b = torch.randn(n, k, device=device, generator=g), torch.randn(n, device=device, generator=g)
+        for bias in (None, b):
+            y = narrow.linear(x, w, bias)
+            exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
+            scale = x.double().abs() @ w.double().abs().T + (0 if bias is None else bias.double().abs())
+            assert y.shape == (m, n) and ((y.double() - exact).abs() <= (k + 2) * u * scale).all(), (m, k, n)
+    x = torch.randn(50, 7, device=device, generator=g)
+    assert not narrow.usable(x, torch.randn(3, 7, device=device)) and not narrow.usable(
+        x, torch.randn(17, 7, device=device)
+    )
+    assert narrow.usable(torch.randn(50, 8, device=device), torch.randn(16, 8, device=device))
+
+
 def quiet_calculator(pet, **options):
     """A CPU FP32 ``TCPETCalculator`` on a copy of ``pet`` (its notes silenced), ``options``
     overriding those defaults."""

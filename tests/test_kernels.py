@@ -4,7 +4,7 @@ without CUDA)."""
 
 import pytest
 import torch
-from helpers import rel_error
+from helpers import check_narrow, rel_error
 
 from ase_tcfp32._kernels.reference import ReferenceBackend
 from ase_tcfp32._kernels.triton_gemm import SMALL_ROWS, parts, small, tile_config
@@ -164,6 +164,17 @@ def test_gemms_with_few_rows_run_small_tiles_in_parts_and_light_ones_cublas_fp32
     light_x, light_w = x[:, :256].contiguous(), w[:256, :256].contiguous()
     assert torch.equal(run(triton_backends["tf32x3"], light_x, light_w), light_x @ light_w.T)
     assert not torch.equal(run(triton_backends["tf32"], x, w), x @ w.T)  # single pass stays TF32
+
+
+def test_narrow_products_run_fp32_on_cuda_cores(triton_backends, fp16x3):
+    """The heads' last layers (1, 3 or 9 outputs): :func:`helpers.check_narrow` on the GPU,
+    and both tensor-core backends send them there."""
+    from ase_tcfp32._kernels import narrow
+
+    check_narrow("cuda")
+    x, w, b = (torch.randn(*shape, device="cuda") for shape in ((6400, 256), (3, 256), (3,)))
+    for backend in (triton_backends["tf32x3"], fp16x3.Fp16x3Backend()):
+        assert torch.equal(run(backend, x, w, b), narrow.linear(x, w, b))
 
 
 FP16X3_CONFIGS = {"bk32": dict(BK=32, STAGES=4), "bk64": dict(BK=64, STAGES=2), "bk16": dict(BK=16, STAGES=6)}

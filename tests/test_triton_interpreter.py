@@ -340,6 +340,12 @@ def test_swiglu_kernels_in_the_triton_interpreter():
     interpret(SWIGLU_SCRIPT, "interpreter swiglu ok")
 
 
+def test_narrow_products_in_the_triton_interpreter():
+    """:func:`helpers.check_narrow` under Triton's interpreter (CPU)."""
+    script = f"import sys\nsys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+    interpret(script + "from helpers import check_narrow\ncheck_narrow('cpu')\nprint('narrow ok')", "narrow ok")
+
+
 COMBINATION_SCRIPT = SAME_PET_AFTER + textwrap.dedent(
     f"""
     import sys

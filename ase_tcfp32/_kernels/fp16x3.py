@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from . import autotune
+from . import autotune, narrow
 from .context import on_device
 from .epilogue import ACTIVATIONS, Embedding, gl_embedding, gl_silu, gl_swiglu, without_product
 from .gluon_common import descriptor, load_stage, ring, tile_offsets, tma_ready
@@ -491,7 +491,7 @@ class Fp16x3Backend:
 
     def forward(self, x: torch.Tensor, prepared: Prepared, bias: torch.Tensor | None) -> torch.Tensor:
         y = self.fused(x, prepared, bias)
-        return torch.nn.functional.linear(x, prepared.weight, bias) if y is None else y
+        return narrow.linear(x, prepared.weight, bias) if y is None else y
 
     def fused(
         self,

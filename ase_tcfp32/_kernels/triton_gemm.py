@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import autotune
+from . import autotune, narrow
 from .context import on_device
 from .epilogue import (
     ACTIVATIONS,
@@ -497,7 +497,7 @@ class TritonBackend:
 
     def forward(self, x: torch.Tensor, prepared: Prepared, bias: torch.Tensor | None) -> torch.Tensor:
         y = self._product(x, prepared.forward, None if bias is None else bias.detach().contiguous())
-        return torch.nn.functional.linear(x, prepared.weight, bias) if y is None else y
+        return narrow.linear(x, prepared.weight, bias) if y is None else y
 
     def fused(
         self,
