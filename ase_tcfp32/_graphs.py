@@ -46,6 +46,7 @@ class Graph:
 
     def __init__(self, step: Callable, inputs: tuple, device: torch.device):
         self.inputs = tuple(t.clone() for t in inputs)
+        self._sources = inputs  # what the input buffers were last copied from
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
@@ -59,8 +60,13 @@ class Graph:
                 self.outputs = step(*self.inputs)
 
     def replay(self, *inputs):
-        """The recorded outputs for ``inputs`` (same shapes, dtypes and device as recorded)."""
-        for static, new in zip(self.inputs, inputs):
-            static.copy_(new)
+        """The recorded outputs for ``inputs`` (same shapes, dtypes and device as recorded).
+        An input that is the very tensor the last replay (or the recording) had is not
+        copied again: the engine's per-system tensors (atomic numbers, structure indices,
+        unit weights) are replaced when they change, never written in place."""
+        for static, new, last in zip(self.inputs, inputs, self._sources):
+            if new is not last:
+                static.copy_(new)
+        self._sources = inputs
         self.graph.replay()
         return self.outputs

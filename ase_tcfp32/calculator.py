@@ -530,10 +530,13 @@ def _close(a, b, tol: float) -> bool:
     a, b = np.asarray(a), np.asarray(b)
     if a.shape != b.shape:
         return False
-    differ = a != b
-    if not differ.any():
+    if a.size == 0:
         return True
-    first = np.unravel_index(np.argmax(differ), a.shape)
-    if not np.isclose(a[first], b[first], rtol=tol, atol=tol):
+    differ = a != b
+    first = int(np.argmax(differ))  # the first difference (0 where there is none)
+    if not differ.flat[first]:
+        return True
+    x, y = a.flat[first].item(), b.flat[first].item()
+    if not abs(x - y) <= tol + tol * abs(y):  # np.isclose's test on Python numbers: ~10x faster for one pair
         return False
     return bool(np.allclose(a, b, rtol=tol, atol=tol))

@@ -377,6 +377,7 @@ def test_a_long_first_evaluation_says_what_it_is_doing(tiny_ckpt, water, monkeyp
     from ase_tcfp32 import _progress as progress
 
     monkeypatch.setattr(progress, "DELAY", 0.0)
+    torch._dynamo.reset()  # code that an earlier test compiled would not compile (nor say so) again
     water.calc = TCPETCalculator(tiny_ckpt, device="cpu", precision="fp32", compile=True)
     water.get_forces()
     err = capsys.readouterr().err
