@@ -311,24 +311,26 @@ def test_fp16x3_small_tiles_give_the_bits_of_the_tuned_ones(fp16x3, epilogue):
         assert torch.equal(a, b)
 
 
-def test_the_fp16x3_backend_runs_small_node_layers_on_small_tiles(fp16x3):
-    """192 rows of PET-S's node update (too few for the tuned tiles, min_rows) run SMALL
-    tiles (the input gradient in parts), not cuBLAS FP32; same error level."""
+@pytest.mark.parametrize("n, k", [(4096, 1024), (256, 1024)])  # the node update's first layer, the center contraction
+def test_the_fp16x3_backend_runs_small_node_layers_on_small_tiles(fp16x3, n, k):
+    """192 rows of PET-S's node layers (too few for the tuned tiles, min_rows) run SMALL
+    tiles (in parts where they fit), not cuBLAS FP32, down to the center contraction's
+    [192 x 1024] -> 256 (lighter than tf32x3's 2^27 multiply-adds); same error level."""
     g = torch.Generator(device="cuda").manual_seed(3)
-    x = torch.randn(192, 1024, device="cuda", generator=g)
-    w = torch.randn(4096, 1024, device="cuda", generator=g) / 32
-    b = torch.randn(4096, device="cuda", generator=g)
-    gy = torch.randn(192, 4096, device="cuda", generator=g)
+    x = torch.randn(192, k, device="cuda", generator=g)
+    w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
+    b = torch.randn(n, device="cuda", generator=g)
+    gy = torch.randn(192, n, device="cuda", generator=g)
     backend = fp16x3.Fp16x3Backend()
     prepared = backend.prepare(w)
     assert 192 < prepared.forward.min_rows and 192 < prepared.backward.min_rows
-    assert fp16x3.parts(192, 4096, 1024, x.device, fp16x3.SMALL) >= 1
-    assert fp16x3.parts(192, 1024, 4096, x.device, fp16x3.SMALL) > 1
+    assert fp16x3.parts(192, n, k, x.device, fp16x3.SMALL, fp16x3.MIN_SMALL_WORK) >= 1
+    assert fp16x3.parts(192, k, n, x.device, fp16x3.SMALL, fp16x3.MIN_SMALL_WORK) > 1
     y, dx = backend.forward(x, prepared, b), backend.grad_input(gy, prepared)
     assert not torch.equal(y, torch.nn.functional.linear(x, w, b)) and not torch.equal(dx, gy @ w)
     exact, exact_dx = x.double() @ w.double().T + b.double(), gy.double() @ w.double()
-    assert_fp32_level(rel_error(y, exact), rel_error(x @ w.T + b, exact), 1024, 1.0)
-    assert_fp32_level(rel_error(dx, exact_dx), rel_error(gy @ w, exact_dx), 4096, 1.0)
+    assert_fp32_level(rel_error(y, exact), rel_error(x @ w.T + b, exact), k, 1.0)
+    assert_fp32_level(rel_error(dx, exact_dx), rel_error(gy @ w, exact_dx), n, 1.0)
 
 
 FIRST_BACKWARD = """

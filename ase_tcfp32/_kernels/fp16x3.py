@@ -340,6 +340,15 @@ Not a 64-column tile: tuned on 262,144 rows it won for N = K = 256, and was 20% 
 :data:`CONFIG` on PET's 700,000 (H200)."""
 
 
+MIN_SMALL_WORK = 2**25
+"""The fewest multiply-adds (M N K) for which fp16x3 runs a product under
+:func:`~.triton_gemm.min_rows` itself (:data:`SMALL`, :func:`~.triton_gemm.parts`); lighter
+ones run cuBLAS FP32. PET-S's [192 x 1024] -> 256 node products (5e7: the center
+contraction, the heads' first layers) took 22 µs each in cuBLAS's large-K kernel; from 2^25
+on, the replayed 192-atom PET-S step's GPU work went from 2.80 to 2.72 ms, with no cuBLAS
+large-K launch left (H200, ``torch.profiler`` over 20 replays)."""
+
+
 SMALL = dict(CONFIG, **small(SMALL_ROWS))
 """The launch for products with too few rows for :data:`CONFIG`'s tiles to occupy half of
 the multiprocessors (:func:`~.triton_gemm.min_rows`): 64-row tiles, one consumer
@@ -524,7 +533,7 @@ def _product(x: torch.Tensor, words: Words | None, bias: torch.Tensor | None = N
         return None
     if x.shape[0] >= words.min_rows:
         return launch(x, words, bias, **epilogue)
-    count = parts(x.shape[0], words.words.shape[1], x.shape[1], x.device, SMALL)
+    count = parts(x.shape[0], words.words.shape[1], x.shape[1], x.device, SMALL, MIN_SMALL_WORK)
     if count == 0:
         return None
     return launch(x, words, bias, SMALL, splits=count if plain(**epilogue) else 1, **epilogue)

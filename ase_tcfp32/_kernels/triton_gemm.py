@@ -290,15 +290,15 @@ MIN_SMALL_WORK = 2**27
 """The fewest multiply-adds (M N K) for which a product under :func:`min_rows` runs our
 kernel on small tiles (:func:`parts`); lighter ones run cuBLAS FP32. The lightest product
 measured was [6,144 x 128] -> 256 (2e8): 8.7 µs in the fp16x3 kernel, 14.0 in cuBLAS FP32
-(H200, CUDA graph)."""
+(H200, CUDA graph). fp16x3 takes lighter ones too (:data:`.fp16x3.MIN_SMALL_WORK`)."""
 
 
-def parts(m: int, n: int, k: int, device: torch.device, config: dict) -> int:
+def parts(m: int, n: int, k: int, device: torch.device, config: dict, min_work: int = MIN_SMALL_WORK) -> int:
     """In how many parts of its K-tiles a kernel with ``config``'s tiles (BM, BN, BK: the
     small tiles of products under :func:`min_rows`) sums each output tile of an [m, n]
     product of depth ``k``: the most (a power of two) that keep the work units (tiles times
     parts) within one per multiprocessor, each part :data:`PART_TILES` K-tiles or more; 0
-    where cuBLAS FP32 runs it (under :data:`MIN_SMALL_WORK`, or narrow).
+    where cuBLAS FP32 runs it (under ``min_work`` multiply-adds, or narrow).
 
     Measured on the H200 for fp16x3 (``benchmarks/experiments/small_products.py``, CUDA
     graphs, µs): PET-S's node update at 192 atoms, [192 x 1024] -> 4096, [192 x 2048] ->
@@ -307,7 +307,7 @@ def parts(m: int, n: int, k: int, device: torch.device, config: dict) -> int:
     14.1, 20.3, 15.0. PET-M's [192 x 6144] -> 1536 input gradient: 247.0, 150.3, 47.3 (8
     parts: 40.7).
     """
-    if n < MIN_OUTPUTS or k < MIN_TERMS or m * n * k < MIN_SMALL_WORK:
+    if n < MIN_OUTPUTS or k < MIN_TERMS or m * n * k < min_work:
         return 0
     tiles = triton.cdiv(m, config["BM"]) * triton.cdiv(n, config["BN"])
     depth = triton.cdiv(k, config["BK"])
