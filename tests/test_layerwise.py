@@ -158,7 +158,8 @@ def test_the_llpr_force_and_stress_ensembles_in_pieces():
         calc = TCPETCalculator(
             "pet-demo-chgnet", dtype="float64", device="cpu", piece_atoms=piece_atoms, progress=False
         )
-        results.append((calc.get_forces_ensemble(atoms), calc.get_stress_ensemble(atoms)))
+        (result,) = calc.evaluate([atoms], ["forces_ensemble", "stress_ensemble"])  # both from one evaluation
+        results.append((result["forces_ensemble"], result["stress_ensemble"]))
     for whole, parts in zip(*results):
         assert np.abs(whole - parts).max() <= 1e3 * EPS64 * np.abs(whole).max()
 
