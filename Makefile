@@ -21,7 +21,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q tests
 
 gpu-test: $(VENV)/.installed
-	$(PY) -m pytest -q -m gpu tests
+	$(PY) -m pytest -q -m gpu -n 4 tests
 
 docs: $(VENV)/.installed
 	$(PY) -m mkdocs build --strict

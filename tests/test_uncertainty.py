@@ -263,4 +263,5 @@ def test_the_threshold_on_the_gpu_names_the_atoms_float64_does():
         moved.positions += 1e-6 * step  # a new calculation each time (sigma moves by ~1e-7 eV)
         moved.calc = calc
         (message,) = [text for text in catch(moved.get_forces) if "energy uncertainties" in text]  # (GPU notes aside)
-        assert f"atoms {np.where(sigma > threshold)[0]}" in message
+        named = " ".join(map(str, np.where(sigma > threshold)[0]))
+        assert f"for atoms [{named}]." in message
