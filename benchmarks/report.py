@@ -418,6 +418,39 @@ def speed_of_light() -> str:
     return table(head, out) + "\n\n" + computed(data)
 
 
+CATEGORIES = ["gemm", "attention", "combination", "norm", "swiglu", "elementwise", "index and reductions"]
+"""The kernel categories of :func:`speed_of_light_kernels`' columns (the rest: "other")."""
+
+
+def speed_of_light_kernels() -> str:
+    """The measured steps' GPU time by kernel category (ms per step), from the profiler."""
+    data = floors_data()
+    out = []
+    for r in data["rows"]:
+        if "categories_ms" not in r:
+            continue
+        categories = r["categories_ms"]
+        rest = sum(ms for name, ms in categories.items() if name not in CATEGORIES)
+        out.append(
+            [shape(r["model"]), f"{r['atoms']:,}", r["precision"], floor_ms(r["step_ms"]), floor_ms(r["gpu_busy_ms"])]
+            + [f"{r['kernels_per_step']:.0f}"]
+            + [floor_ms(categories.get(name, 0.0)) for name in CATEGORIES]
+            + [floor_ms(rest)]
+        )
+    head = ["model shape", "atoms", "precision", "step (ms)", "GPU busy (ms)", "kernels"]
+    head += [
+        "GEMMs",
+        "attention",
+        "message combination",
+        "norms",
+        "SwiGLU",
+        "elementwise",
+        "index, reductions",
+        "other",
+    ]
+    return table(head, out) + "\n\n" + computed(data)
+
+
 def speed_of_light_stages() -> str:
     data = floors_data()
     parts = []
@@ -454,7 +487,11 @@ def speed_of_light_stages() -> str:
 
 PAGES = {
     PAGE: TABLES,
-    FLOORS_PAGE: {"speed_of_light": speed_of_light, "speed_of_light_stages": speed_of_light_stages},
+    FLOORS_PAGE: {
+        "speed_of_light": speed_of_light,
+        "speed_of_light_kernels": speed_of_light_kernels,
+        "speed_of_light_stages": speed_of_light_stages,
+    },
 }
 """Each page and the tables it holds."""
 

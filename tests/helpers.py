@@ -136,12 +136,17 @@ def check_pre_norm(device: str) -> None:
 def check_narrow(device: str) -> None:
     """The narrow-product kernel (PET's heads' last layers: 1, 3 or 9 outputs) against
     float64 within FP32's summation bound, with and without a bias, on partial row blocks
-    and a strided input; fewer than 8 terms and more than 16 outputs left to torch."""
+    and a strided input, in each of its launch configurations (the largest on a GPU only:
+    too many programs for the interpreter); fewer than 8 terms and more than 16 outputs
+    left to torch."""
     from ase_tcfp32._kernels import narrow
 
     g = torch.Generator(device).manual_seed(5)
     u = 2.0**-24
-    for m, k, n in [(700, 256, 1), (700, 256, 3), (193, 384, 9), (5, 16, 16), (1000, 8, 2)]:
+    shapes = [(700, 256, 1), (700, 256, 3), (193, 384, 9), (5, 16, 16), (1000, 8, 2), (2100, 64, 9)]
+    shapes += [(70001, 256, 3)] if device == "cuda" else []
+    assert len({narrow.launch_config(m) for m, _, _ in shapes}) == len(narrow.LAUNCHES) - (device != "cuda")
+    for m, k, n in shapes:
         x = torch.randn(m, k + 3, device=device, generator=g)[:, 3:]  # rows of stride k + 3
         w, b = torch.randn(n, k, device=device, generator=g), torch.randn(n, device=device, generator=g)
         for bias in (None, b):

@@ -5,8 +5,8 @@ A head's last layer maps its features [M, K] (K = d_head, 128-640) to 1, 3 or 9 
 (:data:`~.triton_gemm.MIN_OUTPUTS`), and cuBLAS FP32 runs it well on large inputs but not
 on small ones: in a 192-atom PET-S step (H200, CUDA graph) its large-K kernel took 19-22 µs
 per launch, where reading a [6,400 x 256] input takes ~1.4 µs.
-Here each program takes :data:`BLOCK_ROWS` rows, all N outputs (padded to 16), and walks K
-in FP32 fused multiply-adds (``tl.dot`` with ``input_precision="ieee"``): plain FP32
+Here each program takes a block of rows (:data:`LAUNCHES`), all N outputs (padded to 16), and
+walks K in FP32 fused multiply-adds (``tl.dot`` with ``input_precision="ieee"``): plain FP32
 arithmetic, as accurate as cuBLAS's FP32, one pass over the input.
 """
 
@@ -18,8 +18,16 @@ import triton.language as tl
 
 from .context import INTERPRETED, on_device
 
-BLOCK_ROWS, BLOCK_TERMS, OUTPUTS = 64, 32, 16
-"""Rows per program, terms per step of the K loop, and the most outputs a launch takes."""
+OUTPUTS = 16
+"""The most outputs a launch takes."""
+
+LAUNCHES = ((2048, 16, 64, 4), (65536, 64, 64, 2), (None, 64, 32, 1))
+"""``(up to M rows, rows per program, terms per step of the K loop, warps)``: small blocks that
+spread a few hundred rows over the GPU, one warp per 64 rows where there are enough of them to
+fill it. On an H200 (in CUDA graphs, PET-S's K = 256) against the single launch of 64 rows,
+32 terms and 4 warps this replaced: [192 x 256] -> 1 and -> 9 12.6 and 12.9 -> 6.5 and 6.4 µs,
+[6,400 x 256] -> 1 and -> 9 12.9 and 13.3 -> 9.2 and 10.7 µs, [547,178 x 256] -> 1 (17,280
+atoms' edges) 711 -> 322 µs (its input is read in 117 µs at the memory bandwidth)."""
 
 MIN_TERMS = 8
 """The fewest terms per output (K) this kernel takes: fewer are an outer product, left to torch."""
@@ -68,6 +76,14 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+def launch_config(m: int) -> tuple[int, int, int]:
+    """``(rows per program, terms per step, warps)`` for ``m`` rows (:data:`LAUNCHES`)."""
+    for most, rows, terms, warps in LAUNCHES:
+        if most is None or m <= most:
+            return rows, terms, warps
+    raise AssertionError("LAUNCHES ends with an open row count")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x [M, K] @ weight.T + bias`` -> [M, N] in FP32: the kernel where :func:`usable`,
     torch's ``linear`` (cuBLAS FP32 on a GPU) otherwise."""
@@ -81,8 +97,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     weight = weight.detach().contiguous()
     bias = None if bias is None else bias.detach().contiguous()
     if m:
+        rows, terms, warps = launch_config(m)
         with on_device(x.device):
-            _narrow[(triton.cdiv(m, BLOCK_ROWS),)](
+            _narrow[(triton.cdiv(m, rows),)](
                 x,
                 weight,
                 weight if bias is None else bias,
@@ -92,8 +109,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
                 k,
                 x.stride(0),
                 bias is not None,
-                BLOCK_ROWS,
-                BLOCK_TERMS,
+                rows,
+                terms,
                 OUTPUTS,
+                num_warps=warps,
             )
     return y
