@@ -24,10 +24,11 @@ OUTPUTS = 16
 LAUNCHES = ((2048, 16, 64, 4), (65536, 64, 64, 2), (None, 64, 32, 1))
 """``(up to M rows, rows per program, terms per step of the K loop, warps)``: small blocks that
 spread a few hundred rows over the GPU, one warp per 64 rows where there are enough of them to
-fill it. On an H200 (in CUDA graphs, PET-S's K = 256) against the single launch of 64 rows,
-32 terms and 4 warps this replaced: [192 x 256] -> 1 and -> 9 12.6 and 12.9 -> 6.5 and 6.4 µs,
-[6,400 x 256] -> 1 and -> 9 12.9 and 13.3 -> 9.2 and 10.7 µs, [547,178 x 256] -> 1 (17,280
-atoms' edges) 711 -> 322 µs (its input is read in 117 µs at the memory bandwidth)."""
+fill it. On an H200 (in CUDA graphs, PET-S's K = 256), the same run against the single launch
+of 64 rows, 32 terms and 4 warps this replaced: [192 x 256] -> 1 and -> 9 12.4 and 12.8 -> 6.3
+and 6.4 µs, [6,400 x 256] -> 1 and -> 9 12.8 and 13.2 -> 9.1 and 10.7 µs, [547,178 x 256] -> 1
+(17,280 atoms' edges) 711 -> 322 µs (its input is read in 117 µs at the memory bandwidth;
+``docs/design.md``)."""
 
 MIN_TERMS = 8
 """The fewest terms per output (K) this kernel takes: fewer are an outer product, left to torch."""
