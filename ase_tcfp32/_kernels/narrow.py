@@ -79,10 +79,7 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def launch_config(m: int) -> tuple[int, int, int]:
     """``(rows per program, terms per step, warps)`` for ``m`` rows (:data:`LAUNCHES`)."""
-    for most, rows, terms, warps in LAUNCHES:
-        if most is None or m <= most:
-            return rows, terms, warps
-    raise AssertionError("LAUNCHES ends with an open row count")
+    return next((rows, terms, warps) for most, rows, terms, warps in LAUNCHES if most is None or m <= most)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
