@@ -116,6 +116,10 @@ def main() -> None:
     import torch
     from ase.io import write
 
+    beside = Path(sys.executable).with_name("mtt")  # the environment's own, else the one on PATH
+    mtt = str(beside) if beside.exists() else shutil.which("mtt")
+    if mtt is None:
+        sys.exit("direct_probe.py needs metatrain's mtt (pip install metatrain)")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -124,8 +128,6 @@ def main() -> None:
     write(work / "val.xyz", frames[:held])
     write(work / "train.xyz", frames[held:])
     (work / "options.yaml").write_text(yaml.safe_dump(options(args.mode)))
-    beside = Path(sys.executable).with_name("mtt")  # the environment's own, else the one on PATH
-    mtt = str(beside) if beside.exists() else shutil.which("mtt")
     try:
         run = subprocess.run(
             [mtt, "train", "options.yaml", "-o", "model.pt"],
@@ -135,6 +137,8 @@ def main() -> None:
             timeout=60 * args.minutes,
         )
         log, finished = run.stdout + run.stderr, True
+        if run.returncode:
+            sys.exit(f"mtt train failed (exit status {run.returncode}); the end of its log:\n{log[-3000:]}")
     except subprocess.TimeoutExpired as stopped:
         text = [part.decode() if isinstance(part, bytes) else part or "" for part in (stopped.stdout, stopped.stderr)]
         log, finished = "".join(text), False
