@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+from self_distilled_heads import DIRECT_FORCE  # this folder is on the path of a script run from it
 
 HERE = Path(__file__).resolve().parent
 RUNS = [(16, 300), (32, 350), (48, 400), (64, 450), (32, 500), (64, 300)]
@@ -73,16 +74,9 @@ def options(mode: str) -> dict:
 
     def dataset(path: str) -> dict:
         energy = {"key": "energy", "unit": "eV", "forces": False if mode == "direct-only" else {"key": "forces"}}
-        direct = {
-            "key": "direct_forces",
-            "quantity": "force",
-            "unit": "eV/A",
-            "sample_kind": "atom",
-            "type": {"cartesian": {"rank": 1}},
-        }
         return {
             "systems": {"read_from": path, "length_unit": "angstrom"},
-            "targets": {"energy": energy, "non_conservative_force": direct},
+            "targets": {"energy": energy, "non_conservative_force": DIRECT_FORCE},
         }
 
     return dict(base, training_set=dataset("train.xyz"), validation_set=dataset("val.xyz"), test_set=0.0)
