@@ -1,7 +1,7 @@
 """Does a PET of the demo model's size learn direct (non-conservative) forces from scratch?
 
     python scripts/demo_model/direct_probe.py --mode joint       --out probe.json [--frames 60] [--minutes 8]
-    python scripts/demo_model/direct_probe.py --mode direct-only --out probe.json [--frames 40] [--minutes 3]
+    python scripts/demo_model/direct_probe.py --mode direct-only --out probe.json [--frames 40] [--minutes 3] [--batch-size 8]
 
 An experiment, not part of the recipe (docs/demo_model.md, "Direct force and stress heads").
 In a fresh folder (``--work``): Langevin runs of the shipped demo model
@@ -66,11 +66,11 @@ def make_frames(frames: int, stride: int, device: str) -> list:
     return [out[i] for i in rng.permutation(len(out))]
 
 
-def options(mode: str) -> dict:
+def options(mode: str, batch_size: int = 8) -> dict:
     """``mtt train`` options: the demo model's architecture, the energy (with its forces
-    unless ``direct-only``) and a direct-force target."""
+    unless ``direct-only``) and a direct-force target, ``batch_size`` structures per step."""
     base = yaml.safe_load((HERE / "options.yaml").read_text())
-    base["architecture"]["training"].update(num_epochs=100, checkpoint_interval=1000)
+    base["architecture"]["training"].update(num_epochs=100, checkpoint_interval=1000, batch_size=batch_size)
 
     def dataset(path: str) -> dict:
         energy = {"key": "energy", "unit": "eV", "forces": False if mode == "direct-only" else {"key": "forces"}}
@@ -104,6 +104,7 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=60, help="frames per Langevin run")
     parser.add_argument("--stride", type=int, default=10, help="MD steps between frames")
     parser.add_argument("--minutes", type=float, default=8.0, help="training stops after this long")
+    parser.add_argument("--batch-size", type=int, default=8, help="structures per optimizer step")
     parser.add_argument("--work", default="build/direct-probe")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -121,7 +122,7 @@ def main() -> None:
     held = len(frames) // 8
     write(work / "val.xyz", frames[:held])
     write(work / "train.xyz", frames[held:])
-    (work / "options.yaml").write_text(yaml.safe_dump(options(args.mode)))
+    (work / "options.yaml").write_text(yaml.safe_dump(options(args.mode, args.batch_size)))
     try:
         run = subprocess.run(
             [mtt, "train", "options.yaml", "-o", "model.pt"],
@@ -139,6 +140,7 @@ def main() -> None:
     validation = np.concatenate([frame.arrays["forces"] for frame in frames[:held]])
     result = {
         "mode": args.mode,
+        "batch_size": args.batch_size,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "frames": {"train": len(frames) - held, "validation": held},
         "zero_prediction_force_rmse_meV_A": round(1000 * float(np.sqrt((validation**2).mean())), 1),
