@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shutil
 import subprocess
 import sys
 import warnings
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import yaml
-from self_distilled_heads import DIRECT_FORCE  # this folder is on the path of a script run from it
+from self_distilled_heads import DIRECT_FORCE, mtt_command  # this folder is on the path of a script run from it
 
 HERE = Path(__file__).resolve().parent
 RUNS = [(16, 300), (32, 350), (48, 400), (64, 450), (32, 500), (64, 300)]
@@ -111,10 +110,7 @@ def main() -> None:
     import torch
     from ase.io import write
 
-    beside = Path(sys.executable).with_name("mtt")  # the environment's own, else the one on PATH
-    mtt = str(beside) if beside.exists() else shutil.which("mtt")
-    if mtt is None:
-        sys.exit("direct_probe.py needs metatrain's mtt (pip install metatrain)")
+    mtt = mtt_command("direct_probe.py")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)

@@ -38,6 +38,7 @@ forces' RMS difference from the checkpoint's own conservative forces beside the 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import shutil
@@ -100,13 +101,21 @@ def label(seed: int, work: Path) -> None:
     write(work / f"self-{seed}.xyz", frames, format="extxyz")
 
 
+def mtt_command(script: str) -> str:
+    """metatrain's ``mtt``: the running environment's own, else the one on PATH; ``script``
+    (the caller's name) stops with a clear error when there is none."""
+    beside = Path(sys.executable).with_name("mtt")
+    mtt = str(beside) if beside.exists() else shutil.which("mtt")
+    if mtt is None:
+        sys.exit(f"{script} needs metatrain's mtt (pip install metatrain)")
+    return mtt
+
+
 def add_heads(work: Path, frames: list) -> Path:
     """``mtt train`` with metatrain's heads method (``heads.yaml``, one epoch) on ``frames``."""
     from ase.io import write
 
-    mtt = shutil.which("mtt")
-    if mtt is None:
-        sys.exit("self_distilled_heads.py needs metatrain's mtt (pip install metatrain)")
+    mtt = mtt_command("self_distilled_heads.py")
     subset = []
     for frame in frames[:64]:
         plain = frame.copy()  # numbers, positions and the direct targets only: metatrain reads keys by name
@@ -344,27 +353,39 @@ def evaluate(checkpoint: str, test: str) -> dict:
             atoms.calc = calc
             results[name] = (atoms.get_potential_energy() / len(atoms), atoms.get_forces())
         energy, forces = frame.get_potential_energy() / len(frame), frame.get_forces()
-        s = sums.setdefault(frame.info.get("family", "?"), {k: [] for k in range(8)})
         (shipped_e, shipped_f), (tuned_e, tuned_f), (_, direct_f) = results.values()
-        s[0].append(abs(shipped_e - energy))
-        s[1].append(abs(tuned_e - energy))
-        s[2] += np.abs(shipped_f - forces).ravel().tolist()
-        s[3] += np.abs(tuned_f - forces).ravel().tolist()
-        s[4].append(abs(tuned_e - shipped_e))
-        s[5] += ((tuned_f - shipped_f) ** 2).ravel().tolist()
-        s[6] += ((direct_f - tuned_f) ** 2).ravel().tolist()
-        s[7] += (tuned_f**2).ravel().tolist()
-    mean = {family: {k: 1000 * float(np.mean(v)) for k, v in s.items()} for family, s in sorted(sums.items())}
+        s = sums.setdefault(frame.info.get("family", "?"), collections.defaultdict(list))
+        s["shipped energy error"].append(abs(shipped_e - energy))
+        s["tuned energy error"].append(abs(tuned_e - energy))
+        s["shipped force error"] += np.abs(shipped_f - forces).ravel().tolist()
+        s["tuned force error"] += np.abs(tuned_f - forces).ravel().tolist()
+        s["energy moved"].append(abs(tuned_e - shipped_e))
+        s["forces moved, squared"] += ((tuned_f - shipped_f) ** 2).ravel().tolist()
+        s["direct minus conservative, squared"] += ((direct_f - tuned_f) ** 2).ravel().tolist()
+        s["conservative, squared"] += (tuned_f**2).ravel().tolist()
+
+    def mean(values: list, digits: int) -> float:
+        return round(1000 * float(np.mean(values)), digits)
+
+    def rms(squares: list) -> float:
+        return round(1000 * math.sqrt(np.mean(squares)), 1)
+
     return {
         family: {
-            "energy_mae_vs_teacher_meV_atom": {"shipped": round(m[0], 2), "tuned": round(m[1], 2)},
-            "force_mae_vs_teacher_meV_A": {"shipped": round(m[2], 1), "tuned": round(m[3], 1)},
-            "energy_moved_mae_meV_atom": round(m[4], 2),
-            "forces_moved_rms_meV_A": round(math.sqrt(1000 * m[5]), 1),
-            "direct_vs_conservative_rms_meV_A": round(math.sqrt(1000 * m[6]), 1),
-            "conservative_rms_meV_A": round(math.sqrt(1000 * m[7]), 1),
+            "energy_mae_vs_teacher_meV_atom": {
+                "shipped": mean(s["shipped energy error"], 2),
+                "tuned": mean(s["tuned energy error"], 2),
+            },
+            "force_mae_vs_teacher_meV_A": {
+                "shipped": mean(s["shipped force error"], 1),
+                "tuned": mean(s["tuned force error"], 1),
+            },
+            "energy_moved_mae_meV_atom": mean(s["energy moved"], 2),
+            "forces_moved_rms_meV_A": rms(s["forces moved, squared"]),
+            "direct_vs_conservative_rms_meV_A": rms(s["direct minus conservative, squared"]),
+            "conservative_rms_meV_A": rms(s["conservative, squared"]),
         }
-        for family, m in mean.items()
+        for family, s in sorted(sums.items())
     }
 
 
