@@ -197,9 +197,9 @@ class Trainer:
             turned.add_neighbor_list(options, TensorBlock(vectors, pairs.samples, pairs.components, pairs.properties))
         return turned
 
-    def differences(self, batch: list, augment: bool) -> list[dict]:
-        """Per structure: energy drift per atom (eV), conservative force drift and direct force
-        error [atoms, 3] (eV/Å), direct stress error [3, 3] (eV/Å^3) where labelled."""
+    def rotated(self, batch: list, augment: bool) -> tuple[list, list]:
+        """The rotation matrices [3, 3] and the systems of ``batch``, each turned by a random
+        rotation or improper rotation (``augment``) or left as it is."""
         from scipy.spatial.transform import Rotation
 
         rotations, systems = [], []
@@ -208,11 +208,16 @@ class Trainer:
             if augment:
                 turn = Rotation.random(random_state=self.rng).as_matrix() * self.rng.choice([-1, 1])
                 rotation = torch.tensor(turn, dtype=torch.float32)
-            rotation = rotation.to(self.device)
-            turned = self._turned(system, rotation)
-            turned.positions.requires_grad_(True)
-            rotations.append(rotation)
-            systems.append(turned)
+            rotations.append(rotation.to(self.device))
+            systems.append(self._turned(system, rotations[-1]))
+        return rotations, systems
+
+    def differences(self, batch: list, augment: bool) -> list[dict]:
+        """Per structure: energy drift per atom (eV), conservative force drift and direct force
+        error [atoms, 3] (eV/Å), direct stress error [3, 3] (eV/Å^3) where labelled."""
+        rotations, systems = self.rotated(batch, augment)
+        for system in systems:
+            system.positions.requires_grad_(True)
         # PyTorch's efficient attention has no double backward: training on forces needs the math one
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
             out = self.pet(systems, self.outputs)
