@@ -1,6 +1,10 @@
 """Direct force and stress heads from random weights: the pre-training before the recipe's stage 1.
 
-    python scripts/demo_model/direct_pretraining.py --work build/demo-model --minutes 5 --out pretraining.json
+    # the curriculum of docs/demo_model.md: water alone, then all four families (H200, then 2 CPU cores)
+    python scripts/demo_model/direct_pretraining.py --families water --minutes 7.6 --out water.json
+    python scripts/demo_model/direct_pretraining.py --start water.ckpt --lr 3e-4 --minutes 7.8 --out all.json
+    python scripts/demo_model/direct_pretraining.py --start all.ckpt --lr 3e-4 --per-family --anneal 0.3 \
+        --minutes 60 --out pretrained.json
 
 metatrain's PET outputs vectors through plain linear heads, so its backbone must learn to carry
 directions; from random weights the direct forces sit at the zero prediction for thousands of
@@ -14,7 +18,7 @@ energy is trained:
    ``non_conservative_force`` target and its stress as ``non_conservative_stress`` (bulk only).
    Stage 1 fine-tunes from this script's checkpoint with these options.
 2. ``mtt train options.yaml`` for one epoch from random weights: a checkpoint with every head,
-   the composition baseline and the target scales.
+   the composition baseline and the target scales (skipped with ``--start``: that checkpoint's).
 3. Every weight trained on the direct targets alone for ``--minutes``: one structure per step
    under a random rotation or improper rotation, Adam at ``--lr`` (constant, then a cosine to
    zero over the last ``--anneal`` of the time: at a constant rate, one structure per step, the
