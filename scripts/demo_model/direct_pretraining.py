@@ -46,24 +46,19 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
-from self_distilled_heads import Trainer, mtt_command  # this folder is on the path of a script run from it
+from self_distilled_heads import (  # this folder is on the path of a script run from it
+    DIRECT_FORCE,
+    DIRECT_STRESS,
+    Trainer,
+    mtt_command,
+)
 
 HERE = Path(__file__).resolve().parent
 ENERGY = {"key": "energy", "unit": "eV", "forces": {"key": "forces"}, "stress": False, "virial": False}
-TEACHER_FORCE = {
-    "key": "forces",
-    "quantity": "force",
-    "unit": "eV/A",
-    "sample_kind": "atom",
-    "type": {"cartesian": {"rank": 1}},
-}
-TEACHER_STRESS = {
-    "key": "stress",
-    "quantity": "pressure",
-    "unit": "eV/A^3",
-    "sample_kind": "system",
-    "type": {"cartesian": {"rank": 2}},
-}
+TEACHER_FORCE = dict(DIRECT_FORCE, key="forces")
+"""The direct-force target: the teacher's forces."""
+TEACHER_STRESS = dict(DIRECT_STRESS, key="stress")
+"""The direct-stress target: the teacher's stress (a 3 x 3 matrix on 3D-periodic structures)."""
 
 
 def write_sets(work: Path, folder: Path) -> dict:
