@@ -137,12 +137,13 @@ class DirectTrainer(Trainer):
         return {family: round(1000 * math.sqrt(np.mean(s)), 1) for family, s in sorted(sums.items())}
 
     def force_scales(self) -> dict:
-        """Mean square force (eV²/Å²) that divides each structure's direct-force error: per
-        family with ``--per-family``, else over all training structures."""
+        """Per family, the mean square force (eV²/Å²) that divides a structure's direct-force
+        error: the family's own with ``--per-family``, else that of all training structures."""
         squares: dict = {}
         for _, labels in self.train:
-            family = labels["family"] if self.args.per_family else "all"
-            squares.setdefault(family, []).append(labels["forces"].pow(2).flatten())
+            squares.setdefault(labels["family"], []).append(labels["forces"].pow(2).flatten())
+        if not self.args.per_family:
+            return dict.fromkeys(squares, self.force_ms)
         return {family: float(torch.cat(values).mean()) for family, values in squares.items()}
 
     def run(self) -> list[dict]:
@@ -153,7 +154,7 @@ class DirectTrainer(Trainer):
             into_anneal = (elapsed / budget - 1 + self.args.anneal) / self.args.anneal if self.args.anneal else 0.0
             optimizer.param_groups[0]["lr"] = self.args.lr * (0.5 + 0.5 * math.cos(math.pi * max(into_anneal, 0.0)))
             (row,) = self.direct_errors([self.train[self.rng.integers(len(self.train))]], augment=True)
-            loss = row["direct"].pow(2).mean() / scales[row["family"] if self.args.per_family else "all"]
+            loss = row["direct"].pow(2).mean() / scales[row["family"]]
             if "stress" in row:
                 loss = loss + row["stress"].pow(2).mean() / self.stress_ms
             optimizer.zero_grad()
@@ -181,7 +182,6 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="JSON log; the weights go beside it with the suffix .ckpt")
     args = parser.parse_args()
     from ase.io import read
-    from metatrain.utils.io import load_model
 
     work = Path(args.work)
     if not (work / "train.xyz").exists():
@@ -198,17 +198,10 @@ def main() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = DirectTrainer(checkpoint, train, val, args, device)
-    zero: dict = {}
-    for _, labels in trainer.held_out:
-        zero.setdefault(labels["family"], []).extend(labels["forces"].pow(2).flatten().tolist())
-    zero = {family: round(1000 * math.sqrt(np.mean(v)), 1) for family, v in sorted(zero.items())}
+    zero = trainer.zero_prediction()
     print(f"{len(trainer.train)} training, {len(trainer.held_out)} validation structures; zero {zero}", flush=True)
     log = trainer.run()
-    saved = load_model(str(checkpoint)).get_checkpoint()
-    saved["model_state_dict"] = saved["best_model_state_dict"] = {
-        name: value.detach().cpu() for name, value in trainer.pet.state_dict().items()
-    }
-    torch.save(saved, Path(args.out).with_suffix(".ckpt"))
+    trainer.save(Path(args.out).with_suffix(".ckpt"))
     result = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "structures": {"train": len(trainer.train), "validation": len(trainer.held_out)},

@@ -154,7 +154,7 @@ class Trainer:
         from metatrain.utils.io import load_model
         from metatrain.utils.neighbor_lists import get_system_with_neighbor_lists
 
-        self.args, self.device, self.rng = args, device, np.random.default_rng(0)
+        self.args, self.device, self.rng, self.checkpoint = args, device, np.random.default_rng(0), checkpoint
         self.pet = load_model(str(checkpoint)).to(device).eval()  # eval: outputs in eV and eV/Å, as labelled
         for weight in self.pet.parameters():
             weight.requires_grad_(True)
@@ -184,6 +184,23 @@ class Trainer:
             "non_conservative_force": ModelOutput(sample_kind="atom"),
             "non_conservative_stress": ModelOutput(sample_kind="system"),
         }
+
+    def zero_prediction(self) -> dict:
+        """Per family, the held-out forces' RMS (meV/Å): what predicting zero scores."""
+        squares: dict = {}
+        for _, labels in self.held_out:
+            squares.setdefault(labels["family"], []).extend(labels["forces"].pow(2).flatten().tolist())
+        return {family: round(1000 * math.sqrt(np.mean(v)), 1) for family, v in sorted(squares.items())}
+
+    def save(self, path: Path) -> None:
+        """The starting checkpoint with the trained weights, for mtt and ``load_model``."""
+        from metatrain.utils.io import load_model
+
+        saved = load_model(str(self.checkpoint)).get_checkpoint()
+        saved["model_state_dict"] = saved["best_model_state_dict"] = {
+            name: value.detach().cpu() for name, value in self.pet.state_dict().items()
+        }
+        torch.save(saved, path)
 
     def _turned(self, system, rotation: torch.Tensor):
         """``system`` with positions, cell and neighbor vectors multiplied by ``rotation``."""
@@ -294,7 +311,6 @@ class Trainer:
 
 def train(args) -> None:
     from ase.io import read
-    from metatrain.utils.io import load_model
 
     work = Path(args.work)
     if not (work / "stage5.ckpt").exists():
@@ -312,18 +328,11 @@ def train(args) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = Trainer(checkpoint, training, held_out, args, device)
-    zero: dict = {}
-    for _, labels in trainer.held_out:
-        zero.setdefault(labels["family"], []).extend(labels["forces"].pow(2).flatten().tolist())
-    zero = {family: round(1000 * math.sqrt(np.mean(v)), 1) for family, v in sorted(zero.items())}
+    zero = trainer.zero_prediction()
     print(f"{len(training)} training and {len(held_out)} held-out structures; zero prediction {zero}", flush=True)
     log = trainer.run()
-    saved = load_model(str(checkpoint)).get_checkpoint()
-    saved["model_state_dict"] = saved["best_model_state_dict"] = {
-        name: value.detach().cpu() for name, value in trainer.pet.state_dict().items()
-    }
     out = Path(args.out)
-    torch.save(saved, out.with_suffix(".ckpt"))
+    trainer.save(out.with_suffix(".ckpt"))
     settings = {k: v for k, v in vars(args).items() if k not in ("command", "work", "out")}
     result = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
