@@ -294,6 +294,11 @@ class VerletList:
         self._reference: tuple[np.ndarray, np.ndarray] | None = None  # positions, cells of the last build
         self._search_device = device  # where vesin runs (the CPU after it failed on the GPU)
 
+    @property
+    def reference(self) -> np.ndarray:
+        """The positions [N, 3] (Å) the pairs were built for (the last build)."""
+        return self._reference[0]
+
     def new_system(self, batch: Structures) -> bool:
         """Whether ``batch`` is another system than the last one (the pairs are dropped then)."""
         key = (batch.numbers.tobytes(), batch.pbcs.tobytes(), tuple(batch.sizes))

@@ -68,6 +68,16 @@ class Flat(NamedTuple):
         values = torch.cat([tensor.detach().reshape(-1).to(torch.float64) for tensor in tensors.values()])
         return cls(values, tuple((name, tuple(tensor.shape)) for name, tensor in tensors.items()))
 
+    def tensor(self, name: str) -> torch.Tensor:
+        """The result ``name`` on the device, float64 in its shape: a view of :attr:`values`
+        (overwritten where a recorded graph replays into them)."""
+        start = 0
+        for key, shape in self.layout:
+            if key == name:
+                return self.values[start : start + math.prod(shape)].view(shape)
+            start += math.prod(shape)
+        raise KeyError(f"{name} is not among the results ({', '.join(key for key, _ in self.layout)})")
+
     def to_host(self) -> dict[str, np.ndarray]:
         """The results as float64 numpy arrays of their shapes, through one device-to-host
         copy: the host waits for the device once per call, not once per result."""

@@ -21,7 +21,9 @@ drift-thermostat-drift (:class:`MTSLangevin`). The forces after the last inner m
 one evaluation of both kinds (:meth:`TCPETCalculator.evaluate` with ``"forces"`` and
 ``"non_conservative_forces"``: one forward pass, one backward pass), so an outer step costs
 ``M - 1`` direct-only evaluations (forward passes) and one of both. With ``M = 1`` this is
-velocity Verlet with the conservative forces.
+velocity Verlet with the conservative forces. The ``M`` inner steps run on the model's device where
+the calculator allows it (:mod:`ase_tcfp32._inner_steps`: the host waits once per outer
+step), else through ASE, one calculator call each.
 
 Conventions (ASE's): ``timestep`` is the inner step ``δt`` in ASE time units; one
 :meth:`step` (and one unit of ``run(steps)``, of ``loginterval``, of a trajectory's
@@ -34,11 +36,15 @@ calculator's cached results: no extra evaluation).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
+import torch
 from ase import Atoms, units
 from ase.calculators.calculator import all_changes
 from ase.md.md import MolecularDynamics
 
+from . import _inner_steps
 from ._heads import FORCE
 from .calculator import TCPETCalculator
 
@@ -84,7 +90,7 @@ class _RESPA(MolecularDynamics):
     """The outer step shared by the integrators (module doc); subclasses define the inner
     move of positions and momenta over ``δt``."""
 
-    def __init__(self, atoms: Atoms, timestep: float, inner_steps: int, **kwargs):
+    def __init__(self, atoms: Atoms, timestep: float, inner_steps: int, *, device_inner_steps: bool = True, **kwargs):
         if isinstance(inner_steps, bool) or not isinstance(inner_steps, (int, np.integer)) or inner_steps < 1:
             raise ValueError(
                 f"inner_steps is a whole number of inner steps per outer step, 1 or more, not {inner_steps!r}"
@@ -95,6 +101,7 @@ class _RESPA(MolecularDynamics):
         _check_constraints(atoms)
         self.inner_steps = int(inner_steps)
         self.inner_dt = timestep
+        self.device_inner_steps = bool(device_inner_steps)
         super().__init__(atoms, self.inner_steps * timestep, **kwargs)
 
     def todict(self) -> dict:
@@ -140,12 +147,43 @@ class _RESPA(MolecularDynamics):
         """Positions (and momenta, returned) moved over one inner step ``δt``."""
         raise NotImplementedError
 
+    def _on_device(self, p: np.ndarray, direct: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """The positions and momenta after the inner steps, run on the model's device
+        (:mod:`ase_tcfp32._inner_steps`), or None where they run through ASE: with
+        ``device_inner_steps=False``, constraints, rotational averaging, the consistency
+        checks, an engine that cannot, or an evaluation that could not be trusted."""
+        calc = self._calculator()
+        if not self.device_inner_steps or self.atoms.constraints or calc.rotational_average_order:
+            return None
+        if calc.check_consistency or not hasattr(calc._engine, "direct_forces_on_device"):
+            return None
+        with calc._evaluating(len(self.atoms)):
+            forces_of = calc._engine.direct_forces_on_device([self.atoms])
+            if forces_of is None:
+                return None
+            masses = torch.tensor(self.masses, dtype=torch.float64, device=calc.device)
+            move = functools.partial(self._device_move, masses=masses, noise=self._noise(calc.device))
+            positions = self.atoms.get_positions()
+            return _inner_steps.run(forces_of, p, positions, direct, self.inner_dt, self.inner_steps, move, calc.device)
+
+    def _noise(self, device: torch.device) -> torch.Tensor | None:
+        """The random numbers [M, N, 3] of an outer step's inner moves (None: none needed)."""
+        return None
+
+    def _device_move(self, x: torch.Tensor, p: torch.Tensor, k: int, masses, noise) -> torch.Tensor:
+        """:meth:`_move` on device tensors: positions ``x`` updated in place, momenta returned."""
+        raise NotImplementedError
+
     def step(self) -> None:
         """One outer step: ``inner_steps`` inner steps between two slow half kicks."""
         atoms, dt, steps = self.atoms, self.inner_dt, self.inner_steps
         conservative, direct = self.outer_forces()
         p = atoms.get_momenta() + 0.5 * steps * dt * (conservative - direct)
-        for inner in range(steps):
+        moved = self._on_device(p, direct)
+        if moved is not None:
+            atoms.set_positions(moved[0])
+            atoms.set_momenta(moved[1], apply_constraint=False)
+        for inner in range(steps if moved is None else 0):
             p = p + 0.5 * dt * direct
             p = self._move(p)
             atoms.set_momenta(p, apply_constraint=False)  # atoms may migrate with their momenta (as in ASE)
@@ -170,6 +208,12 @@ class MTSVelocityVerlet(_RESPA):
         head; checked here, before any step.
     :param timestep: the inner time step ``δt`` (ASE time units: ``0.5 * ase.units.fs``).
     :param inner_steps: ``M``, inner steps per outer step; one :meth:`step` advances ``M·δt``.
+    :param device_inner_steps: run the inner steps on the model's device, without ASE and
+        the host in between (:mod:`ase_tcfp32._inner_steps`: the same trajectory to
+        rounding), wherever the calculator allows it (its default lean engines, no
+        rotational averaging, no constraints on the atoms); False: through ASE, one
+        calculator call per inner step. ``uncertainty_threshold`` is checked on every
+        outer step either way, and on every inner step through ASE.
     :param kwargs: ASE's ``MolecularDynamics`` options: ``trajectory``, ``logfile``,
         ``loginterval`` (in outer steps), ...
     """
@@ -179,6 +223,10 @@ class MTSVelocityVerlet(_RESPA):
 
     def _move(self, p: np.ndarray) -> np.ndarray:
         return self._drift(p, self.inner_dt)
+
+    def _device_move(self, x: torch.Tensor, p: torch.Tensor, k: int, masses, noise) -> torch.Tensor:
+        x.add_(self.inner_dt * p / masses)
+        return p
 
 
 class MTSLangevin(_RESPA):
@@ -201,8 +249,10 @@ class MTSLangevin(_RESPA):
         a relaxation time of 100 fs).
     :param inner_steps: ``M``, inner steps per outer step.
     :param rng: a numpy random generator (``standard_normal(size=...)``); default a fresh
-        ``numpy.random.default_rng()``.
-    :param kwargs: ASE's ``MolecularDynamics`` options.
+        ``numpy.random.default_rng()``. On the device (``device_inner_steps``) an outer
+        step's numbers are drawn at once, the same stream.
+    :param kwargs: ``device_inner_steps`` (as for :class:`MTSVelocityVerlet`) and ASE's
+        ``MolecularDynamics`` options.
     """
 
     def __init__(
@@ -235,3 +285,17 @@ class MTSLangevin(_RESPA):
         spread = np.sqrt((1 - decay**2) * self.masses * units.kB * self.temperature_K)
         self.atoms.set_momenta(decay * p + spread * noise)  # constraints act on the new momenta
         return self._drift(self.atoms.get_momenta(), 0.5 * self.inner_dt)
+
+    def _noise(self, device: torch.device) -> torch.Tensor:
+        noise = self.rng.standard_normal(size=(self.inner_steps, *self.atoms.positions.shape))
+        self.comm.broadcast(noise, 0)
+        return torch.from_numpy(noise).to(device)
+
+    def _device_move(self, x: torch.Tensor, p: torch.Tensor, k: int, masses, noise) -> torch.Tensor:
+        half = 0.5 * self.inner_dt
+        x.add_(half * p / masses)
+        decay = np.exp(-self.friction * self.inner_dt)
+        spread = np.sqrt((1 - decay**2) * self.masses * units.kB * self.temperature_K)
+        p = decay * p + torch.from_numpy(spread).to(p.device) * noise[k]
+        x.add_(half * p / masses)
+        return p

@@ -177,3 +177,61 @@ def test_graphs_engine_records_each_kind_of_evaluation_once(tiny_ckpt):
         runs[engine] = atoms
     assert runs["graphs"].calc._engine.recordings <= 4  # 2 (4 after a widening); one per switch: 7
     assert np.abs(runs["graphs"].positions - runs["lean"].positions).max() < 1e-5
+
+
+@pytest.mark.parametrize("integrator", ["verlet", "langevin"])
+def test_inner_steps_on_the_device_follow_the_ase_path(pet, water, integrator):
+    """The inner steps run on the model's device (the default) give the trajectory of the
+    same steps through ASE, one calculator call each: the same arithmetic in the same
+    order on the same forces (bound: 1e-9 Å and amu·Å/fs, far below the FP32 rounding of
+    the forces that a different order would show), with the same evaluations counted (a 2 Å
+    skin: no neighbor list expires in these 10 fs)."""
+    runs = []
+    for on_device in (True, False):
+        atoms = with_calculator(water, calculator(pet, neighbor_skin=2.0))
+        if integrator == "verlet":
+            dyn = MTSVelocityVerlet(atoms, 0.5 * units.fs, inner_steps=4, device_inner_steps=on_device)
+        else:
+            rng = np.random.default_rng(5)
+            dyn = MTSLangevin(atoms, 0.5 * units.fs, 300, 0.05 / units.fs, 4, rng=rng, device_inner_steps=on_device)
+        dyn.run(5)
+        runs.append(atoms)
+    device, host = runs
+    assert device.calc._engine.evaluations == host.calc._engine.evaluations == 1 + 5 * 4
+    assert np.abs(device.positions - host.positions).max() < 1e-9
+    assert np.abs(device.get_momenta() - host.get_momenta()).max() < 1e-9 * units.fs
+    assert np.abs(device.positions - water.positions).max() > 1e-3  # they moved
+
+
+def test_inner_steps_leave_the_device_when_the_neighbor_list_expires(pet, water):
+    """With a 0.02 Å skin the neighbor list expires within a few inner steps: the steps on
+    the device notice it afterwards and the outer step is redone through ASE, which rebuilds
+    the list; the trajectory is still the ASE path's."""
+    runs = []
+    for on_device in (True, False):
+        atoms = with_calculator(water, calculator(pet, neighbor_skin=0.02))
+        dyn = MTSVelocityVerlet(atoms, 0.5 * units.fs, inner_steps=4, device_inner_steps=on_device)
+        dyn.run(4)
+        runs.append(atoms)
+    device, host = runs
+    assert device.calc._engine.rebuilds > 2
+    assert device.calc._engine.evaluations > host.calc._engine.evaluations  # the redone inner steps
+    assert np.abs(device.positions - host.positions).max() < 1e-9
+
+
+@pytest.mark.gpu
+def test_inner_steps_on_the_device_replay_the_recorded_graph(tiny_ckpt):
+    """On the GPU with the default engine (CUDA graphs): the inner steps on the device
+    replay the direct evaluation's recorded graph (no more recordings than through ASE) and
+    follow the ASE path's trajectory to FP32 rounding."""
+    water = water_box(64, seed=0)
+    thermalize_momenta(water, temperature_K=300, rng=np.random.default_rng(0))
+    runs = {}
+    for on_device in (True, False):
+        atoms = with_calculator(water, TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", check_accuracy=0))
+        MTSVelocityVerlet(atoms, 0.5 * units.fs, inner_steps=8, device_inner_steps=on_device).run(4)
+        runs[on_device] = atoms
+    device, host = runs[True].calc._engine, runs[False].calc._engine
+    assert device.cuda_graphs and device.recordings <= host.recordings
+    assert device.evaluations == host.evaluations == 1 + 4 * 8
+    assert np.abs(runs[True].positions - runs[False].positions).max() < 1e-5

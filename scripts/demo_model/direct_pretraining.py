@@ -12,11 +12,9 @@ steps before they learn (docs/demo_model.md, "Direct force and stress heads"). T
 past that point, as the atomistic cookbook's non-conservative pre-training does, before the
 energy is trained:
 
-1. ``WORK/direct/``: ``make_dataset.py``'s first four families (``WORK/{train,val}.xyz``, the
-   teacher's labels) split into 3D-periodic (``-bulk``) and other (``-open``) structures, and
-   ``options.yaml``: the recipe's ``options.yaml`` with the teacher's forces also as the
-   ``non_conservative_force`` target and its stress as ``non_conservative_stress`` (bulk only).
-   Stage 1 fine-tunes from this script's checkpoint with these options.
+1. ``WORK/direct/``: the options and sets of ``direct_options.py`` for ``make_dataset.py``'s
+   first four families (``WORK/{train,val}.xyz``, the teacher's labels). Stage 1 fine-tunes
+   from this script's checkpoint with these options.
 2. ``mtt train options.yaml`` for one epoch from random weights: a checkpoint with every head,
    the composition baseline and the target scales (skipped with ``--start``: that checkpoint's).
 3. Every weight trained on the direct targets alone for ``--minutes``: one structure per step
@@ -45,58 +43,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
-from self_distilled_heads import (  # this folder is on the path of a script run from it
-    DIRECT_FORCE,
-    DIRECT_STRESS,
-    Trainer,
-    mtt_command,
-)
-
-HERE = Path(__file__).resolve().parent
-ENERGY = {"key": "energy", "unit": "eV", "forces": {"key": "forces"}, "stress": False, "virial": False}
-TEACHER_FORCE = dict(DIRECT_FORCE, key="forces")
-"""The direct-force target: the teacher's forces."""
-TEACHER_STRESS = dict(DIRECT_STRESS, key="stress")
-"""The direct-stress target: the teacher's stress (a 3 x 3 matrix on 3D-periodic structures)."""
-
-
-def write_sets(work: Path, folder: Path) -> dict:
-    """``folder/{split}-{bulk,open}.xyz`` from ``work/{split}.xyz`` and the mtt data sections."""
-    from ase.io import read, write
-
-    folder.mkdir(parents=True, exist_ok=True)
-    sections = {}
-    for split in ("train", "val"):
-        frames = read(work / f"{split}.xyz", ":")
-        for frame in frames:  # metatrain reads a set's arrays as one table: the labels only
-            for key in [k for k in frame.arrays if k not in ("numbers", "positions")]:
-                del frame.arrays[key]
-        write(folder / f"{split}-bulk.xyz", [f for f in frames if f.pbc.all()])
-        write(folder / f"{split}-open.xyz", [f for f in frames if not f.pbc.all()])
-        sections[split] = [
-            {
-                "systems": {"read_from": f"{split}-bulk.xyz", "length_unit": "angstrom"},
-                "targets": {
-                    "energy": ENERGY,
-                    "non_conservative_force": TEACHER_FORCE,
-                    "non_conservative_stress": TEACHER_STRESS,
-                },
-            },
-            {
-                "systems": {"read_from": f"{split}-open.xyz", "length_unit": "angstrom"},
-                "targets": {"energy": ENERGY, "non_conservative_force": TEACHER_FORCE},
-            },
-        ]
-    return sections
-
-
-def write_options(folder: Path, sections: dict) -> None:
-    """``folder/options.yaml``: the recipe's options with the direct targets."""
-    options = yaml.safe_load((HERE / "options.yaml").read_text())
-    options["architecture"]["training"]["per_structure_targets"] = ["non_conservative_stress"]
-    options.update(training_set=sections["train"], validation_set=sections["val"], test_set=0.0)
-    (folder / "options.yaml").write_text(yaml.safe_dump(options, sort_keys=False))
+from direct_options import write_options  # this folder is on the path of a script run from it
+from self_distilled_heads import Trainer, mtt_command
 
 
 def initial_checkpoint(folder: Path) -> Path:
@@ -187,7 +135,7 @@ def main() -> None:
     if not (work / "train.xyz").exists():
         sys.exit(f"{work}/train.xyz missing: run scripts/make_dataset.py --out {work} first")
     folder = work / "direct"
-    write_options(folder, write_sets(work, folder))
+    write_options(work, folder)
     checkpoint = Path(args.start) if args.start else initial_checkpoint(folder)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     families = args.families.split(",") if args.families else None
