@@ -210,3 +210,31 @@ def test_info_reports_the_gpu_and_cublas(capsys):
     out = capsys.readouterr().out
     assert torch.cuda.get_device_name() in out and "cuBLAS 1" in out and "auto -> " in out
     assert "attention: tensor cores (TF32x3) in tf32x3" in out
+
+
+def test_direct_against_conservative_matches_each_calculator_regime():
+    """``direct_against_conservative`` on a water box (3D-periodic) and a CO/Pt slab (not):
+    its RMS figures equal those from two calculators, one reading the conservative forces and
+    stress, the other the direct heads (``non_conservative=True``): the same model, the
+    other code path; the slab has no stress figures."""
+    from helpers import quiet_calculator
+
+    from ase_tcfp32.testing import random_pet
+    from ase_tcfp32.validation.accuracy import direct_against_conservative
+
+    pet = random_pet("tiny", seed=3, atomic_types=[1, 6, 8, 78])
+    water, slab = water_box(8, seed=1), co_on_pt111(2.5)
+    water.info["family"], slab.info["family"] = "water", "co-pt111"
+    table = direct_against_conservative(quiet_calculator(pet), [water, slab])
+    conservative, direct = quiet_calculator(pet), quiet_calculator(pet, non_conservative=True)
+    for atoms, family in ((water, "water"), (slab, "co-pt111")):
+        forces, direct_forces = conservative.get_forces(atoms), direct.get_forces(atoms)
+        row = table[family]
+        assert row["force_rms_conservative"] == pytest.approx(1000 * np.sqrt(np.mean(forces**2)), rel=1e-9)
+        difference = 1000 * np.sqrt(np.mean((direct_forces - forces) ** 2))
+        assert row["force_rms_difference"] == pytest.approx(difference, rel=1e-6) and difference > 0
+    stress, direct_stress = conservative.get_stress(water), direct.get_stress(water)
+    assert table["water"]["stress_rms_difference"] == pytest.approx(
+        1000 * np.sqrt(np.mean((direct_stress - stress) ** 2)), rel=1e-6
+    )
+    assert table["co-pt111"]["stress_rms_conservative"] is None

@@ -5,7 +5,9 @@
 
 Per family of the held-out test set: energy MAE (meV/atom) and force MAE (meV/Å) against
 the CHGNet labels; NVE of the 192-atom water box in FP32 on CPU (drift, no blow-up); FIRE
-relaxation of a Cantor-alloy slab to fmax 1e-3 eV/Å.
+relaxation of a Cantor-alloy slab to fmax 1e-3 eV/Å; with ``--parts direct``, per family of
+the test set, the RMS of the direct heads' forces and stress against the model's own
+conservative ones (``ase_tcfp32.validation.accuracy.direct_against_conservative``).
 """
 
 import argparse
@@ -21,7 +23,7 @@ from ase.units import fs
 
 from ase_tcfp32 import TCPETCalculator
 from ase_tcfp32.validation import cantor_slab, water_box
-from ase_tcfp32.validation.accuracy import against_labels
+from ase_tcfp32.validation.accuracy import against_labels, direct_against_conservative
 
 
 def nve(calc, ps: float) -> dict:
@@ -71,7 +73,7 @@ def main() -> None:
     parser.add_argument("--model", default="pet-demo-chgnet")
     parser.add_argument("--test", required=True)
     parser.add_argument("--nve-ps", type=float, default=10.0)
-    parser.add_argument("--parts", default="test,relax,nve")
+    parser.add_argument("--parts", default="test,relax,nve", help="comma-separated: test, relax, nve, direct")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     calc = TCPETCalculator(args.model, precision="fp32", device="cpu")
@@ -80,6 +82,9 @@ def main() -> None:
     if "test" in parts:
         results["test_set"] = against_labels(calc, read(args.test, ":"))
         print(json.dumps(results["test_set"], indent=1), flush=True)
+    if "direct" in parts:
+        results["direct_heads"] = direct_against_conservative(calc, read(args.test, ":"))
+        print(json.dumps(results["direct_heads"], indent=1), flush=True)
     if "relax" in parts:
         results["relax"] = relax(calc)
         print(results["relax"], flush=True)
