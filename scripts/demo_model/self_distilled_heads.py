@@ -51,22 +51,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
+from direct_options import TEACHER_FORCE, TEACHER_STRESS  # this folder is on the path of a script run from it
 
 HERE = Path(__file__).resolve().parent
-DIRECT_FORCE = {
-    "key": "direct_forces",
-    "quantity": "force",
-    "unit": "eV/A",
-    "sample_kind": "atom",
-    "type": {"cartesian": {"rank": 1}},
-}
-DIRECT_STRESS = {
-    "key": "direct_stress",
-    "quantity": "pressure",
-    "unit": "eV/A^3",
-    "sample_kind": "system",
-    "type": {"cartesian": {"rank": 2}},
-}
+DIRECT_FORCE = dict(TEACHER_FORCE, key="direct_forces")
+"""The direct-force target: the shipped model's own forces, stored under ``direct_forces``."""
+DIRECT_STRESS = dict(TEACHER_STRESS, key="direct_stress")
+"""The direct-stress target: the shipped model's own stress, stored under ``direct_stress``."""
 
 
 def label(seed: int, work: Path) -> None:
