@@ -1,10 +1,10 @@
 """Direct force and stress heads from random weights: the pre-training before the recipe's stage 1.
 
     # the curriculum of docs/demo_model.md: water alone, then all four families (H200, then 2 CPU cores)
-    python scripts/demo_model/direct_pretraining.py --families water --minutes 7.6 --out water.json
-    python scripts/demo_model/direct_pretraining.py --start water.ckpt --lr 3e-4 --minutes 7.8 --out all.json
+    python scripts/demo_model/direct_pretraining.py --families water --steps 10290 --out water.json
+    python scripts/demo_model/direct_pretraining.py --start water.ckpt --lr 3e-4 --steps 8189 --out all.json
     python scripts/demo_model/direct_pretraining.py --start all.ckpt --lr 3e-4 --per-family --anneal 0.3 \
-        --minutes 60 --out pretrained.json
+        --steps 41630 --out pretrained.json
 
 metatrain's PET outputs vectors through plain linear heads, so its backbone must learn to carry
 directions; from random weights the direct forces sit at the zero prediction for thousands of
@@ -17,7 +17,7 @@ energy is trained:
    from this script's checkpoint with these options.
 2. ``mtt train options.yaml`` for one epoch from random weights: a checkpoint with every head,
    the composition baseline and the target scales (skipped with ``--start``: that checkpoint's).
-3. Every weight trained on the direct targets alone for ``--minutes``: one structure per step
+3. Every weight trained on the direct targets alone for ``--steps`` (or ``--minutes``): one structure per step
    under a random rotation or improper rotation, Adam at ``--lr`` (constant, then a cosine to
    zero over the last ``--anneal`` of the time: at a constant rate, one structure per step, the
    validation errors jump by tens of percent between evaluations), loss = the direct
@@ -94,12 +94,16 @@ class DirectTrainer(Trainer):
             return dict.fromkeys(squares, self.force_ms)
         return {family: float(torch.cat(values).mean()) for family, values in squares.items()}
 
+    def progress(self, step: int, seconds: float) -> float:
+        """How far the run is, from 0 to 1: in ``--steps`` where given, else in ``--minutes``."""
+        return step / self.args.steps if self.args.steps else seconds / (60 * self.args.minutes)
+
     def run(self) -> list[dict]:
         scales = self.force_scales()
         optimizer = torch.optim.Adam(self.pet.parameters(), lr=self.args.lr)
-        log, step, start, budget = [], 0, time.time(), 60 * self.args.minutes
-        while (elapsed := time.time() - start) < budget:
-            into_anneal = (elapsed / budget - 1 + self.args.anneal) / self.args.anneal if self.args.anneal else 0.0
+        log, step, start = [], 0, time.time()
+        while (done := self.progress(step, time.time() - start)) < 1:
+            into_anneal = (done - 1 + self.args.anneal) / self.args.anneal if self.args.anneal else 0.0
             optimizer.param_groups[0]["lr"] = self.args.lr * (0.5 + 0.5 * math.cos(math.pi * max(into_anneal, 0.0)))
             (row,) = self.direct_errors([self.train[self.rng.integers(len(self.train))]], augment=True)
             loss = row["direct"].pow(2).mean() / scales[row["family"]]
@@ -119,7 +123,8 @@ class DirectTrainer(Trainer):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", default="build/demo-model", help="make_dataset.py's output folder")
-    parser.add_argument("--minutes", type=float, default=5.0)
+    parser.add_argument("--steps", type=int, help="structures to train on (one per step); default: --minutes")
+    parser.add_argument("--minutes", type=float, default=5.0, help="without --steps: train for this long")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--anneal", type=float, default=0.0, help="last fraction of the time: --lr cosine to 0")
     parser.add_argument(
@@ -154,7 +159,8 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "structures": {"train": len(trainer.train), "validation": len(trainer.held_out)},
         "settings": {
-            "minutes": args.minutes,
+            "steps": args.steps,
+            "minutes": None if args.steps else args.minutes,
             "lr": args.lr,
             "anneal": args.anneal,
             "per_family": args.per_family,
