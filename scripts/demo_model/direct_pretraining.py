@@ -17,14 +17,19 @@ energy is trained:
    from this script's checkpoint with these options.
 2. ``mtt train options.yaml`` for one epoch from random weights: a checkpoint with every head,
    the composition baseline and the target scales (skipped with ``--start``: that checkpoint's).
-3. Every weight trained on the direct targets alone for ``--steps`` (or ``--minutes``): one structure per step
-   under a random rotation or improper rotation, Adam at ``--lr`` (constant, then a cosine to
-   zero over the last ``--anneal`` of the time: at a constant rate, one structure per step, the
-   validation errors jump by tens of percent between evaluations), loss = the direct
+3. Every weight (with ``--heads-only`` the direct heads' alone: the energy stays as it was)
+   trained on the direct targets alone for ``--steps`` (or ``--minutes``): one structure per
+   step under a random rotation or improper rotation, Adam at ``--lr`` (constant, then a cosine
+   to zero over the last ``--anneal`` of the run: at a constant rate, one structure per step,
+   the validation errors jump by tens of percent between evaluations), loss = the direct
    forces' squared error over the labels' mean square (over all families, or with
    ``--per-family`` the structure's family's, so that the alloy's small forces weigh as much
-   as the molecules' large ones; + the same for the stress on bulk structures). Every 500 steps the validation direct-force RMSE per family (meV/Å, beside what
-   predicting zero scores) goes to ``--out``, the weights beside it (suffix ``.ckpt``).
+   as the molecules' large ones; + the same for the stress on bulk structures). Every 500
+   steps the validation direct-force RMSE per family (meV/Å, beside what predicting zero
+   scores) goes to ``--out``, the weights beside it (suffix ``.ckpt``).
+
+``WORK`` may hold other labels than the teacher's: ``self_distilled_heads.py label --model
+CKPT`` writes a model's own (its conservative forces as the direct targets).
 
 The loop is bound by Python and launches: ~26 steps per second on an H200, ~17 on 2 CPU cores
 (~11 each for two runs side by side with ``OMP_NUM_THREADS=1``).
@@ -100,7 +105,12 @@ class DirectTrainer(Trainer):
 
     def run(self) -> list[dict]:
         scales = self.force_scales()
-        optimizer = torch.optim.Adam(self.pet.parameters(), lr=self.args.lr)
+        trained = [
+            w for name, w in self.pet.named_parameters() if "non_conservative" in name or not self.args.heads_only
+        ]
+        for weight in self.pet.parameters():
+            weight.requires_grad_(any(weight is w for w in trained))
+        optimizer = torch.optim.Adam(trained, lr=self.args.lr)
         log, step, start = [], 0, time.time()
         while (done := self.progress(step, time.time() - start)) < 1:
             into_anneal = (done - 1 + self.args.anneal) / self.args.anneal if self.args.anneal else 0.0
@@ -131,6 +141,9 @@ def main() -> None:
         "--per-family", action="store_true", help="scale each family's force loss by its own mean square"
     )
     parser.add_argument("--families", help="comma-separated: train and validate on these families only")
+    parser.add_argument(
+        "--heads-only", action="store_true", help="train the direct heads alone (the backbone and energy untouched)"
+    )
     parser.add_argument("--start", help="a checkpoint with the heads whose weights to start from (default: step 2's)")
     parser.add_argument("--out", required=True, help="JSON log; the weights go beside it with the suffix .ckpt")
     args = parser.parse_args()
@@ -164,6 +177,7 @@ def main() -> None:
             "lr": args.lr,
             "anneal": args.anneal,
             "per_family": args.per_family,
+            "heads_only": args.heads_only,
             "families": args.families,
             "start": args.start,
         },

@@ -60,8 +60,8 @@ DIRECT_STRESS = dict(TEACHER_STRESS, key="direct_stress")
 """The direct-stress target: the shipped model's own stress, stored under ``direct_stress``."""
 
 
-def label(seed: int, work: Path) -> None:
-    """make_dataset.py's structures labelled by the shipped model (see module doc)."""
+def label(seed: int, work: Path, model: str = "pet-demo-chgnet") -> None:
+    """make_dataset.py's structures labelled by ``model`` (default the shipped one; see module doc)."""
     from ase.io import write
 
     sys.path.insert(0, str(HERE.parent))
@@ -71,7 +71,7 @@ def label(seed: int, work: Path) -> None:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        calc = TCPETCalculator("pet-demo-chgnet", device="cpu", precision="fp32", uncertainty_threshold=None)
+        calc = TCPETCalculator(model, device="cpu", precision="fp32", uncertainty_threshold=None)
     rng = np.random.default_rng(seed)
     frames = []
     for make in (
@@ -400,6 +400,7 @@ def main() -> None:
     labelling = commands.add_parser("label", help="label make_dataset.py's structures with the shipped model")
     labelling.add_argument("--seed", type=int, default=11)
     labelling.add_argument("--work", default="build/heads")
+    labelling.add_argument("--model", default="pet-demo-chgnet", help="the labelling model (name or checkpoint)")
     training = commands.add_parser("train", help="add the heads and train the whole PET (a GPU)")
     training.add_argument("--work", default="build/heads")
     training.add_argument("--minutes", type=float, default=7.4)
@@ -418,7 +419,7 @@ def main() -> None:
     evaluating.add_argument("--merge-into", required=True, help="train's JSON: the results go under test_set")
     args = parser.parse_args()
     if args.command == "label":
-        label(args.seed, Path(args.work))
+        label(args.seed, Path(args.work), args.model)
     elif args.command == "train":
         train(args)
     else:
