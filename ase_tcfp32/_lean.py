@@ -55,6 +55,13 @@ grow by that much before a step is redone with a wider table. Every column costs
 the edge work (GEMMs and attention): metatrain's own table has no margin."""
 
 
+INNER_REACH = 0.25
+"""Before evaluations without the host (:meth:`LeanPET.direct_forces_on_device`), the fraction
+of the skin an atom may have moved since the pairs were built: the rest is room for the moves
+of the evaluations that follow (an outer step of multiple time stepping: ~0.1-0.3 Å for water's
+hydrogens in 4 fs at 300 K, against half of the 2 Å skin that CUDA graphs use)."""
+
+
 ROW_SPARE = 0.02
 """Packed rows (:mod:`ase_tcfp32._packed`) beyond the kept pairs, as a fraction of them, so
 that their number can grow by that much before a step is redone with more rows (and, with
@@ -178,9 +185,10 @@ class LeanPET:
         """Neighbor lists built so far."""
         return self.neighbors.rebuilds
 
-    def _use(self, batch: Structures) -> None:
+    def _use(self, batch: Structures, reach: float = 0.5) -> None:
         """Pairs for ``batch``: a new system gets its skin, graph policy and table anew; a
-        stale list is rebuilt (into the recorded graphs' buffers where they fit)."""
+        stale list (an atom moved more than ``reach`` times the skin) is rebuilt (into the
+        recorded graphs' buffers where they fit)."""
         if self.neighbors.new_system(batch):
             sizes = torch.tensor(batch.sizes)
             self.system = torch.repeat_interleave(torch.arange(len(sizes)), sizes).to(self.device)
@@ -190,7 +198,7 @@ class LeanPET:
             self.cuda_graphs = len(batch.numbers) <= self.graph_atoms and not pieces
             self.neighbors.skin = self.skins[0] if self.cuda_graphs else self.skins[1]
             self._set_width(0)
-        if self.neighbors.stale(batch) and not self.neighbors.update(batch, in_place=bool(self._graphs)):
+        if self.neighbors.stale(batch, reach) and not self.neighbors.update(batch, in_place=bool(self._graphs)):
             self._graphs = {}
 
     @property
@@ -391,9 +399,11 @@ class LeanPET:
         neighbor table (the kept pairs the packed rows). Nothing waits for the device: the
         caller reads that flag once after many evaluations (the inner steps of multiple time
         stepping, :mod:`ase_tcfp32._inner_steps`). None before the first :meth:`compute` of
-        the system (which sizes the table)."""
+        the system (which sizes the table). The pairs are rebuilt already where an atom has
+        moved a quarter of the skin (:data:`INNER_REACH`), so that the atoms' moves in the
+        evaluations rarely take them out of reach."""
         batch = Structures.of(structures)
-        self._use(batch)
+        self._use(batch, INNER_REACH)
         if self.width == 0:
             return None
         cells = torch.from_numpy(batch.cells).to(self.device, self.dtype)

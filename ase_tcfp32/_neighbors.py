@@ -307,15 +307,17 @@ class VerletList:
         self._key, self.pairs = key, None
         return True
 
-    def stale(self, batch: Structures) -> bool:
-        """Whether the pairs must be rebuilt for ``batch`` (of the current system)."""
+    def stale(self, batch: Structures, reach: float = 0.5) -> bool:
+        """Whether the pairs must be rebuilt for ``batch`` (of the current system): with a
+        ``reach`` under 0.5, already when an atom has moved more than that fraction of the
+        skin (room for moves that nobody checks until later)."""
         if self.pairs is None:
             return True
         positions, cells = self._reference
         if not np.array_equal(cells, batch.cells):
             return True
         shift = batch.positions - positions
-        return np.einsum("ij,ij->i", shift, shift).max() > (0.5 * self.skin) ** 2  # 3x np.sum(axis=1)
+        return np.einsum("ij,ij->i", shift, shift).max() > (reach * self.skin) ** 2  # 3x np.sum(axis=1)
 
     def update(self, batch: Structures, in_place: bool) -> bool:
         """Rebuild the pairs for ``batch``; with ``in_place``, into the current buffers where
