@@ -29,7 +29,6 @@ metatomic path to FP32 rounding (``tests/test_lean.py``).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -53,13 +52,6 @@ MARGIN = 2
 """Columns of the neighbor table beyond the largest neighbor count, so that counts can
 grow by that much before a step is redone with a wider table. Every column costs ~1/J of
 the edge work (GEMMs and attention): metatrain's own table has no margin."""
-
-
-INNER_REACH = 0.25
-"""Before evaluations without the host (:meth:`LeanPET.direct_forces_on_device`), the fraction
-of the skin an atom may have moved since the pairs were built: the rest is room for the moves
-of the evaluations that follow (an outer step of multiple time stepping: ~0.1-0.3 Å for water's
-hydrogens in 4 fs at 300 K, against half of the 2 Å skin that CUDA graphs use)."""
 
 
 ROW_SPARE = 0.02
@@ -186,9 +178,8 @@ class LeanPET:
         return self.neighbors.rebuilds
 
     def _use(self, batch: Structures, reach: float = 0.5) -> None:
-        """Pairs for ``batch``: a new system gets its skin, graph policy and table anew; a
-        stale list (an atom moved more than ``reach`` times the skin) is rebuilt (into the
-        recorded graphs' buffers where they fit)."""
+        """Pairs for ``batch``: a new system gets its skin, graph policy and table anew; a list
+        stale by ``reach`` (:meth:`VerletList.stale`) is rebuilt (into the graphs' buffers if they fit)."""
         if self.neighbors.new_system(batch):
             sizes = torch.tensor(batch.sizes)
             self.system = torch.repeat_interleave(torch.arange(len(sizes)), sizes).to(self.device)
@@ -388,36 +379,6 @@ class LeanPET:
         self._use(batch)
         positions = torch.from_numpy(batch.positions).to(self.device, self.dtype)
         return self._kept_pairs(pair_vectors(positions, self.pairs).detach(), positions.shape[0]).counts
-
-    def direct_forces_on_device(self, structures: list[Atoms]) -> Callable | None:
-        """The pairs made current for ``structures`` (rebuilt if stale, as :meth:`compute`
-        does), and a function that evaluates them at other positions without the host:
-        from positions [N, 3] (Å, float64, on the device) it returns the direct forces
-        [N, 3] (eV/Å, float64, on the device; a recorded graph's buffer, overwritten by its
-        next replay) and a bool tensor, true where the evaluation cannot be trusted: an atom
-        more than half the skin from where the pairs were built, or one that outgrew the
-        neighbor table (the kept pairs the packed rows). Nothing waits for the device: the
-        caller reads that flag once after many evaluations (the inner steps of multiple time
-        stepping, :mod:`ase_tcfp32._inner_steps`). None before the first :meth:`compute` of
-        the system (which sizes the table). The pairs are rebuilt already where an atom has
-        moved a quarter of the skin (:data:`INNER_REACH`), so that the atoms' moves in the
-        evaluations rarely take them out of reach."""
-        batch = Structures.of(structures)
-        self._use(batch, INNER_REACH)
-        if self.width == 0:
-            return None
-        cells = torch.from_numpy(batch.cells).to(self.device, self.dtype)
-        reference = torch.from_numpy(self.neighbors.reference).to(self.device, torch.float64)
-        reach, width, rows = (0.5 * self.skin) ** 2, self.width, self.rows
-        flags = {"grad": False, "stress": False, "direct": (FORCE,), "llpr": ()}
-
-        def forces(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            flat = self._evaluate(positions.to(self.dtype), cells, self.numbers, self.system, self.unweighted, flags)
-            most, total = flat.tensor("sizes")
-            moved = (positions - reference).pow(2).sum(1).max()
-            return flat.tensor("non_conservative_forces"), (moved > reach) | (most > width) | (total > rows)
-
-        return forces
 
     def _evaluate(self, positions, cells, numbers, system, weights, flags: dict) -> Flat:
         """One :meth:`_step` with ``flags``: eager, or replaying the graph recorded (once) for them."""

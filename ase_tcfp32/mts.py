@@ -46,6 +46,7 @@ from ase.md.md import MolecularDynamics
 
 from . import _inner_steps
 from ._heads import FORCE
+from ._lean import LeanPET
 from .calculator import TCPETCalculator
 
 BOTH = ("energy", "forces", "non_conservative_forces")
@@ -155,10 +156,10 @@ class _RESPA(MolecularDynamics):
         calc = self._calculator()
         if not self.device_inner_steps or self.atoms.constraints or calc.rotational_average_order:
             return None
-        if calc.check_consistency or not hasattr(calc._engine, "direct_forces_on_device"):
+        if calc.check_consistency or not isinstance(calc._engine, LeanPET):
             return None
         with calc._evaluating(len(self.atoms)):
-            forces_of = calc._engine.direct_forces_on_device([self.atoms])
+            forces_of = _inner_steps.direct_forces_on_device(calc._engine, [self.atoms])
             if forces_of is None:
                 return None
             masses = torch.tensor(self.masses, dtype=torch.float64, device=calc.device)

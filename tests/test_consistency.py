@@ -29,7 +29,7 @@ def test_a_stale_neighbor_list_is_caught(monkeypatch):
     calc = calculator(check_consistency=True, neighbor_skin=0.5)
     atoms.calc = calc
     atoms.get_forces()
-    monkeypatch.setattr(type(calc._engine.neighbors), "stale", lambda self, batch: False)
+    monkeypatch.setattr(type(calc._engine.neighbors), "stale", lambda self, batch, reach=0.5: False)
     atoms.positions[0] += [1.5, 0.0, 0.0]  # far past half the skin
     with pytest.raises(ConsistencyError, match=r"lacks \d+ pair\(s\) within the model's cutoff"):
         atoms.get_forces()
