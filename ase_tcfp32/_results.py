@@ -68,21 +68,24 @@ class Flat(NamedTuple):
         values = torch.cat([tensor.detach().reshape(-1).to(torch.float64) for tensor in tensors.values()])
         return cls(values, tuple((name, tuple(tensor.shape)) for name, tensor in tensors.items()))
 
+    def _spans(self):
+        """Each result's name, shape and its elements' start and end in :attr:`values`."""
+        start = 0
+        for name, shape in self.layout:
+            end = start + math.prod(shape)
+            yield name, shape, start, end
+            start = end
+
     def tensor(self, name: str) -> torch.Tensor:
         """The result ``name`` on the device, float64 in its shape: a view of :attr:`values`
         (overwritten where a recorded graph replays into them)."""
-        start = 0
-        for key, shape in self.layout:
+        for key, shape, start, end in self._spans():
             if key == name:
-                return self.values[start : start + math.prod(shape)].view(shape)
-            start += math.prod(shape)
+                return self.values[start:end].view(shape)
         raise KeyError(f"{name} is not among the results ({', '.join(key for key, _ in self.layout)})")
 
     def to_host(self) -> dict[str, np.ndarray]:
         """The results as float64 numpy arrays of their shapes, through one device-to-host
         copy: the host waits for the device once per call, not once per result."""
-        flat, host, start = self.values.cpu().numpy(), {}, 0
-        for name, shape in self.layout:  # slices: np.split's own overhead is host time in every small step
-            end = start + math.prod(shape)
-            host[name], start = flat[start:end].reshape(shape), end
-        return host
+        flat = self.values.cpu().numpy()  # slices: np.split's own overhead is host time in every small step
+        return {name: flat[start:end].reshape(shape) for name, shape, start, end in self._spans()}

@@ -163,15 +163,16 @@ class _RESPA(MolecularDynamics):
             if forces_of is None:
                 return None
             masses = torch.tensor(self.masses, dtype=torch.float64, device=calc.device)
-            move = functools.partial(self._device_move, masses=masses, noise=self._noise(calc.device))
+            move = functools.partial(self._device_move, masses=masses, **self._device_terms(calc.device))
             positions = self.atoms.get_positions()
             return _inner_steps.run(forces_of, p, positions, direct, self.inner_dt, self.inner_steps, move, calc.device)
 
-    def _noise(self, device: torch.device) -> torch.Tensor | None:
-        """The random numbers [M, N, 3] of an outer step's inner moves (None: none needed)."""
-        return None
+    def _device_terms(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """What :meth:`_device_move` needs beside the masses for an outer step's inner moves,
+        on ``device`` (keyword arguments; none here)."""
+        return {}
 
-    def _device_move(self, x: torch.Tensor, p: torch.Tensor, k: int, masses, noise) -> torch.Tensor:
+    def _device_move(self, x: torch.Tensor, p: torch.Tensor, k: int, masses: torch.Tensor, **terms) -> torch.Tensor:
         """:meth:`_move` on device tensors: positions ``x`` updated in place, momenta returned."""
         raise NotImplementedError
 
@@ -225,7 +226,7 @@ class MTSVelocityVerlet(_RESPA):
     def _move(self, p: np.ndarray) -> np.ndarray:
         return self._drift(p, self.inner_dt)
 
-    def _device_move(self, x: torch.Tensor, p: torch.Tensor, k: int, masses, noise) -> torch.Tensor:
+    def _device_move(self, x: torch.Tensor, p: torch.Tensor, k: int, masses: torch.Tensor) -> torch.Tensor:
         x.add_(self.inner_dt * p / masses)
         return p
 
@@ -278,25 +279,36 @@ class MTSLangevin(_RESPA):
     def todict(self) -> dict:
         return {**super().todict(), "temperature_K": self.temperature_K, "friction": self.friction}
 
+    def _ornstein_uhlenbeck(self) -> tuple[float, np.ndarray]:
+        """The momenta's decay ``c`` over one inner step and the noise's spread [N, 1]."""
+        decay = np.exp(-self.friction * self.inner_dt)
+        return decay, np.sqrt((1 - decay**2) * self.masses * units.kB * self.temperature_K)
+
+    def _noise(self, size: tuple) -> np.ndarray:
+        """Standard normal numbers of ``size``, the same on every MPI rank."""
+        noise = self.rng.standard_normal(size=size)
+        self.comm.broadcast(noise, 0)
+        return noise
+
     def _move(self, p: np.ndarray) -> np.ndarray:
         p = self._drift(p, 0.5 * self.inner_dt)
-        decay = np.exp(-self.friction * self.inner_dt)
-        noise = self.rng.standard_normal(size=p.shape)
-        self.comm.broadcast(noise, 0)
-        spread = np.sqrt((1 - decay**2) * self.masses * units.kB * self.temperature_K)
+        decay, spread = self._ornstein_uhlenbeck()
+        noise = self._noise(p.shape)
         self.atoms.set_momenta(decay * p + spread * noise)  # constraints act on the new momenta
         return self._drift(self.atoms.get_momenta(), 0.5 * self.inner_dt)
 
-    def _noise(self, device: torch.device) -> torch.Tensor:
-        noise = self.rng.standard_normal(size=(self.inner_steps, *self.atoms.positions.shape))
-        self.comm.broadcast(noise, 0)
-        return torch.from_numpy(noise).to(device)
+    def _device_terms(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The outer step's random numbers [M, N, 3] (drawn at once: the same stream) and the
+        noise's spread [N, 1], copied to the device once."""
+        noise = self._noise((self.inner_steps, *self.atoms.positions.shape))
+        spread = self._ornstein_uhlenbeck()[1]
+        return {"noise": torch.from_numpy(noise).to(device), "spread": torch.from_numpy(spread).to(device)}
 
-    def _device_move(self, x: torch.Tensor, p: torch.Tensor, k: int, masses, noise) -> torch.Tensor:
+    def _device_move(
+        self, x: torch.Tensor, p: torch.Tensor, k: int, masses: torch.Tensor, noise: torch.Tensor, spread: torch.Tensor
+    ) -> torch.Tensor:
         half = 0.5 * self.inner_dt
         x.add_(half * p / masses)
-        decay = np.exp(-self.friction * self.inner_dt)
-        spread = np.sqrt((1 - decay**2) * self.masses * units.kB * self.temperature_K)
-        p = decay * p + torch.from_numpy(spread).to(p.device) * noise[k]
+        p = self._ornstein_uhlenbeck()[0] * p + spread * noise[k]
         x.add_(half * p / masses)
         return p
