@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 from ase import Atoms
+from ase.geometry import complete_cell
 from ase.stress import full_3x3_to_voigt_6_stress, voigt_6_to_full_3x3_stress
 
 LEBEDEV_ORDERS = (
@@ -86,22 +87,39 @@ def quadrature(order: int, inversion: bool = True) -> tuple[np.ndarray, np.ndarr
 def rotated(atoms: Atoms, rotations: np.ndarray) -> list[Atoms]:
     """Copies of ``atoms``, the k-th with positions (Å) and cell vectors rotated by
     ``rotations[k]`` (``r -> R r``) and, when it has a cell, atoms wrapped back into it (as
-    metatomic-ase's ``_rotate_atoms``).
+    metatomic-ase's ``_rotate_atoms``, which calls ASE's ``wrap``: the same arithmetic,
+    here for all the copies at once).
 
     :param atoms: the structure.
     :param rotations: [B, 3, 3] orthogonal matrices.
     :return: B new :class:`~ase.Atoms` (no calculator attached).
     """
-    copies = []
+    rotations = np.asarray(rotations, dtype=float)
+    positions = np.einsum("nj,bij->bni", atoms.positions, rotations)  # [B, n, 3]
     has_cell = atoms.cell is not None and atoms.cell.rank > 0
-    for rotation in np.asarray(rotations, dtype=float):
+    if has_cell:
+        cells = np.einsum("vj,bij->bvi", atoms.cell.array, rotations)  # each cell vector rotated
+        positions = _wrapped(positions, cells, atoms.pbc)
+    copies = []
+    for k in range(len(rotations)):
         copy = atoms.copy()
-        copy.positions = copy.positions @ rotation.T
+        copy.positions = positions[k]
         if has_cell:
-            copy.set_cell(copy.cell.array @ rotation.T, scale_atoms=False, apply_constraint=False)
-            copy.wrap()
+            copy.set_cell(cells[k], scale_atoms=False, apply_constraint=False)
         copies.append(copy)
     return copies
+
+
+def _wrapped(positions: np.ndarray, cells: np.ndarray, pbc: np.ndarray, eps: float = 1e-7) -> np.ndarray:
+    """ASE's ``wrap_positions`` (centre 0.5, its ``eps``) of positions [B, n, 3] (Å) in cells
+    [B, 3, 3] (rows the vectors) along the periodic directions ``pbc`` [3]."""
+    pbc = np.asarray(pbc, dtype=bool)
+    if not pbc.any():
+        return positions
+    cells = np.array([complete_cell(cell) for cell in cells])
+    fractional = positions @ np.linalg.inv(cells)
+    fractional[..., pbc] = (fractional[..., pbc] + eps) % 1.0 - eps
+    return fractional @ cells
 
 
 def average(results: Sequence[dict], rotations: np.ndarray, weights: np.ndarray, atoms: Atoms) -> dict:
@@ -118,6 +136,9 @@ def average(results: Sequence[dict], rotations: np.ndarray, weights: np.ndarray,
     - ``stress`` (eV/Å³) [6] in Voigt order (xx, yy, zz, yz, xz, xy) as the input, each
       copy's back-rotated as a 3 x 3 ``R^T S' R``; ``stress_rot_std`` a **3 x 3** matrix
       (elementwise standard deviation of the back-rotated tensors), as metatomic-ase gives it.
+
+    - ``energy_uncertainty`` [n] (eV): each atom's largest over the copies, no deviation
+      (what ``uncertainty_threshold`` is checked against)
 
     Standard deviations are those of the quadrature: ``sqrt(sum_k w_k (x_k - mean)^2)``.
 
@@ -142,6 +163,8 @@ def average(results: Sequence[dict], rotations: np.ndarray, weights: np.ndarray,
         return np.sqrt(np.tensordot(weights, (x - mean(x)) ** 2, axes=1))
 
     out = {}
+    if all("energy_uncertainty" in r for r in results):
+        out["energy_uncertainty"] = np.max([np.asarray(r["energy_uncertainty"], dtype=float) for r in results], 0)
     for key in keys:
         values = np.asarray([np.asarray(r[key], dtype=float) for r in results])
         if key in ("energy", "free_energy"):

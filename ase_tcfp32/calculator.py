@@ -392,17 +392,17 @@ class TCPETCalculator(LLPRMethods, Calculator):
 
     def _checked(self, structures: list[Atoms], properties) -> list[dict]:
         """``properties`` of ``structures`` (rotationally averaged where asked), each
-        structure's per-atom energy uncertainty checked against ``uncertainty_threshold``
-        (the unaveraged structure's, in the same forward pass where not averaged)."""
+        structure's per-atom energy uncertainty checked against ``uncertainty_threshold``, read
+        in the same forward pass (averaged: each atom's largest over the rotated copies)."""
         watch = self._llpr is not None and self.uncertainty_threshold is not None
+        asked = (*properties, "energy_uncertainty") if watch else properties
         if self.rotational_average_order:
-            results = [self._averaged(atoms, properties) for atoms in structures]
-            checked = self._compute(structures, ("energy", "energy_uncertainty")) if watch else []
+            results = [self._averaged(atoms, asked) for atoms in structures]
         else:
-            results = checked = self._compute(structures, (*properties, "energy_uncertainty") if watch else properties)
+            results = self._compute(structures, asked)
         if watch:
             _uncertainty.warn_above(
-                self.uncertainty_threshold, [result.pop("energy_uncertainty") for result in checked]
+                self.uncertainty_threshold, [result.pop("energy_uncertainty") for result in results]
             )
         return results
 

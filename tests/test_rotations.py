@@ -22,7 +22,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # small evaluations on 2 sha
 
 @pytest.fixture(scope="module")
 def demo():
-    return TCPETCalculator("pet-demo-chgnet", device="cpu", precision="fp32", progress=False)
+    return TCPETCalculator(
+        "pet-demo-chgnet", device="cpu", precision="fp32", progress=False, uncertainty_threshold=None
+    )
 
 
 @pytest.fixture
@@ -251,11 +253,41 @@ def test_averaging_makes_a_water_box_orientation_independent(water):
     (about 59,000x), the forces' largest deviation from 0.018 to 5.1e-6 eV/Å (about 3,500x);
     bound 10x. 6 x 308 copies of 24 periodic atoms take 80 s of CPU time, seconds on a GPU:
     a GPU test."""
-    demo = TCPETCalculator("pet-demo-chgnet", device="cuda", precision="fp32", progress=False)
+    demo = TCPETCalculator(
+        "pet-demo-chgnet", device="cuda", precision="fp32", progress=False, uncertainty_threshold=None
+    )
     (energy, forces), (energy_averaged, forces_averaged) = spreads(demo, water, order=5)
     assert energy > 1e-4
     assert energy_averaged * 10 <= energy
     assert forces_averaged * 10 <= forces
+
+
+def test_the_uncertainty_threshold_is_checked_in_the_averaged_evaluation(h2o):
+    """The per-atom energy uncertainty comes from the rotated copies' own batched evaluation
+    (each atom's largest over the copies), not from an evaluation of its own: one warning,
+    one model call."""
+    calc = TCPETCalculator(
+        "pet-demo-chgnet",
+        device="cpu",
+        precision="fp32",
+        progress=False,
+        rotational_average_order=1,
+        uncertainty_threshold=0.01,
+    )
+    compute, calls = calc._compute, []
+    calc._compute = lambda structures, properties: calls.append(len(structures)) or compute(structures, properties)
+    h2o.calc = calc
+    with pytest.warns(
+        UserWarning, match=r"threshold of 0.01 eV. The prediction is above the threshold for atoms \[0 1 2\]"
+    ):
+        h2o.get_potential_energy()
+    assert calls == [len(quadrature(1)[0])]
+    sigmas = [r["energy_uncertainty"] for r in compute(rotated(h2o, quadrature(1)[0]), ["energy_uncertainty"])]
+    largest = np.max(sigmas, 0)
+    calc.uncertainty_threshold = float(np.sort(largest)[1])  # between the atoms' largest sigmas: the top one warns
+    h2o.positions[0, 0] += 1e-3
+    with pytest.warns(UserWarning, match=rf"atoms \[{int(np.argmax(largest))}\]\."):
+        h2o.get_potential_energy()
 
 
 # -- batches -------------------------------------------------------------------------
