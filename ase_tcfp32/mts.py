@@ -103,6 +103,9 @@ class _RESPA(MolecularDynamics):
         self.inner_steps = int(inner_steps)
         self.inner_dt = timestep
         self.device_inner_steps = bool(device_inner_steps)
+        self.redone_steps = 0
+        """Outer steps whose inner steps on the device could not be trusted (an atom moved
+        out of the neighbor list's reach) and were redone through ASE."""
         super().__init__(atoms, self.inner_steps * timestep, **kwargs)
 
     def todict(self) -> dict:
@@ -165,7 +168,11 @@ class _RESPA(MolecularDynamics):
             masses = torch.tensor(self.masses, dtype=torch.float64, device=calc.device)
             move = functools.partial(self._device_move, masses=masses, **self._device_terms(calc.device))
             positions = self.atoms.get_positions()
-            return _inner_steps.run(forces_of, p, positions, direct, self.inner_dt, self.inner_steps, move, calc.device)
+            moved = _inner_steps.run(
+                forces_of, p, positions, direct, self.inner_dt, self.inner_steps, move, calc.device
+            )
+        self.redone_steps += moved is None
+        return moved
 
     def _device_terms(self, device: torch.device) -> dict[str, torch.Tensor]:
         """What :meth:`_device_move` needs beside the masses for an outer step's inner moves,

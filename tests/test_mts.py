@@ -196,6 +196,7 @@ def test_inner_steps_on_the_device_follow_the_ase_path(pet, water, integrator):
             dyn = MTSLangevin(atoms, 0.5 * units.fs, 300, 0.05 / units.fs, 4, rng=rng, device_inner_steps=on_device)
         dyn.run(5)
         runs.append(atoms)
+        assert dyn.redone_steps == 0
     device, host = runs
     assert device.calc._engine.evaluations == host.calc._engine.evaluations == 1 + 5 * 4
     assert np.abs(device.positions - host.positions).max() < 1e-9
@@ -213,6 +214,7 @@ def test_inner_steps_leave_the_device_when_the_neighbor_list_expires(pet, water)
         dyn = MTSVelocityVerlet(atoms, 0.5 * units.fs, inner_steps=4, device_inner_steps=on_device)
         dyn.run(4)
         runs.append(atoms)
+        assert (dyn.redone_steps > 0) == on_device
     device, host = runs
     assert device.calc._engine.rebuilds > 2
     assert device.calc._engine.evaluations > host.calc._engine.evaluations  # the redone inner steps
