@@ -123,6 +123,22 @@ def test_rotated_copies_rotate_positions_and_cell_and_wrap(water):
     assert copy.calc is None and water.positions is not copy.positions
 
 
+def test_rotated_copies_are_ases_wrap_of_each_rotation():
+    """All copies at once give what rotating one copy at a time and ASE's ``wrap`` give,
+    also for a triclinic cell periodic along two of its vectors."""
+    slab = ase.build.fcc111("Pt", (2, 2, 3), vacuum=4.0, a=3.9)
+    slab.set_cell(slab.cell.array + [[0, 0, 0], [0.7, 0, 0], [0.3, 0.2, 0]], scale_atoms=False)
+    slab.rattle(0.3, seed=2)
+    rotations = quadrature(3)[0]
+    for rotation, copy in zip(rotations, rotated(slab, rotations), strict=True):
+        expected = slab.copy()
+        expected.positions = expected.positions @ rotation.T
+        expected.set_cell(expected.cell.array @ rotation.T, scale_atoms=False)
+        expected.wrap()
+        np.testing.assert_allclose(copy.positions, expected.positions, atol=1e-10)
+        np.testing.assert_allclose(copy.cell.array, expected.cell.array, atol=1e-12)
+
+
 def test_average_of_an_exactly_invariant_model_is_its_prediction():
     """Lennard-Jones is invariant: every back-rotated copy agrees, so the averages are the
     unrotated prediction (stress in Voigt order) and the spreads vanish."""
