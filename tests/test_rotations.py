@@ -281,6 +281,34 @@ def test_averaging_makes_a_water_box_orientation_independent(water192):
     assert forces_averaged * 10 <= forces
 
 
+def test_the_uncertainty_threshold_is_checked_in_the_averaged_evaluation(h2o):
+    """The per-atom energy uncertainty comes from the rotated copies' own batched evaluation
+    (each atom's largest over the copies), not from an evaluation of its own: one warning,
+    one model call."""
+    calc = TCPETCalculator(
+        "pet-demo-chgnet",
+        device="cpu",
+        precision="fp32",
+        progress=False,
+        rotational_average_order=1,
+        uncertainty_threshold=0.01,
+    )
+    compute, calls = calc._compute, []
+    calc._compute = lambda structures, properties: calls.append(len(structures)) or compute(structures, properties)
+    h2o.calc = calc
+    with pytest.warns(
+        UserWarning, match=r"threshold of 0.01 eV. The prediction is above the threshold for atoms \[0 1 2\]"
+    ):
+        h2o.get_potential_energy()
+    assert calls == [len(quadrature(1)[0])]
+    sigmas = [r["energy_uncertainty"] for r in compute(rotated(h2o, quadrature(1)[0]), ["energy_uncertainty"])]
+    largest = np.max(sigmas, 0)
+    calc.uncertainty_threshold = float(np.sort(largest)[1])  # between the atoms' largest sigmas: the top one warns
+    h2o.positions[0, 0] += 1e-3
+    with pytest.warns(UserWarning, match=rf"atoms \[{int(np.argmax(largest))}\]\."):
+        h2o.get_potential_energy()
+
+
 # -- batches -------------------------------------------------------------------------
 
 
