@@ -174,7 +174,7 @@ class _RESPA(MolecularDynamics):
         self.redone_steps += moved is None
         return moved
 
-    def _device_terms(self, device: torch.device) -> dict[str, torch.Tensor]:
+    def _device_terms(self, device: torch.device) -> dict:
         """What :meth:`_device_move` needs beside the masses for an outer step's inner moves,
         on ``device`` (keyword arguments; none here)."""
         return {}
@@ -304,18 +304,29 @@ class MTSLangevin(_RESPA):
         self.atoms.set_momenta(decay * p + spread * noise)  # constraints act on the new momenta
         return self._drift(self.atoms.get_momenta(), 0.5 * self.inner_dt)
 
-    def _device_terms(self, device: torch.device) -> dict[str, torch.Tensor]:
+    def _device_terms(self, device: torch.device) -> dict:
         """The outer step's random numbers [M, N, 3] (drawn at once: the same stream) and the
-        noise's spread [N, 1], copied to the device once."""
+        noise's spread [N, 1], copied to the device once, and the momenta's decay (a float)."""
         noise = self._noise((self.inner_steps, *self.atoms.positions.shape))
-        spread = self._ornstein_uhlenbeck()[1]
-        return {"noise": torch.from_numpy(noise).to(device), "spread": torch.from_numpy(spread).to(device)}
+        decay, spread = self._ornstein_uhlenbeck()
+        return {
+            "noise": torch.from_numpy(noise).to(device),
+            "spread": torch.from_numpy(spread).to(device),
+            "decay": decay,
+        }
 
     def _device_move(
-        self, x: torch.Tensor, p: torch.Tensor, k: int, masses: torch.Tensor, noise: torch.Tensor, spread: torch.Tensor
+        self,
+        x: torch.Tensor,
+        p: torch.Tensor,
+        k: int,
+        masses: torch.Tensor,
+        noise: torch.Tensor,
+        spread: torch.Tensor,
+        decay: float,
     ) -> torch.Tensor:
         half = 0.5 * self.inner_dt
         x.add_(half * p / masses)
-        p = self._ornstein_uhlenbeck()[0] * p + spread * noise[k]
+        p = decay * p + spread * noise[k]
         x.add_(half * p / masses)
         return p

@@ -55,7 +55,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", default=None, help="results file (default: benchmarks/results/rotations_<gpu>.json)")
     args = parser.parse_args()
-    model = random_checkpoint(args.model.split("-")[1]) if args.model.startswith("random-") else args.model
+    model = random_checkpoint(args.model.removeprefix("random-")) if args.model.startswith("random-") else args.model
     plain = TCPETCalculator(model, precision=args.precision, uncertainty_threshold=None)
     rows = []
     print(
@@ -82,7 +82,7 @@ def main() -> None:
                     "batch_size": batch,
                     "precision": plain.precision,
                     "property": args.property,
-                    "engine": plain.engine,
+                    "engine": plain.engine_used,
                     "rotations": rotations,
                     "plain_ms": ms["plain"],
                     "averaged_ms": ms["averaged"],
