@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 work=$1 stage5=$2 out=$3
 PYTHON=${PYTHON:-.venv/bin/python}
-MTT=${MTT:-$(dirname "$PYTHON")/mtt}
+MTT=${MTT:-$(cd "$(dirname "$PYTHON")" && pwd)/mtt}  # absolute: it runs from $work/llpr
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 root=$PWD
 mkdir -p "$work/llpr"
