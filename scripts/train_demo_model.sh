@@ -44,7 +44,8 @@ pretrain all --start "$work/pretraining/water.ckpt" --lr 3e-4 --steps 8189
 pretrain per-family --start "$work/pretraining/all.ckpt" --lr 3e-4 --per-family --anneal 0.3 --steps 41630
 finetune() {  # finetune DIR DATA CHECKPOINT EPOCHS LEARNING_RATE [-r OVERRIDE ...]: DATA/{train,val}.xyz with
   # the direct targets (direct_options.py: the teacher's, or with OWN=1 CHECKPOINT's own) into DIR, trained from
-  # CHECKPOINT (in DIR) on a fresh cosine schedule
+  # CHECKPOINT (in DIR) on a fresh cosine schedule. To resume a stage that stopped, pass `mtt train options.yaml
+  # --restart outputs/.../model_N.ckpt` the same -r overrides: options.yaml alone holds the recipe's stage-1 values
   local dir=$1 data=$2 checkpoint=$3 epochs=$4 rate=$5; shift 5
   "$PYTHON" scripts/demo_model/direct_options.py "$data" "$dir" ${OWN:+--own "$dir/$checkpoint"}
   (cd "$dir" && "$OLDPWD/.venv/bin/mtt" train options.yaml \
