@@ -50,16 +50,12 @@ OWN_STRESS = dict(TEACHER_STRESS, key="own_stress")
 def own_labeller(checkpoint: Path):
     """``label(frame)``: ``frame`` with ``own_forces`` [atoms, 3] (eV/Å) and, 3D-periodic,
     ``own_stress`` [9] (eV/Å³) from ``checkpoint``'s conservative outputs (FP32, CPU, through
-    metatomic-ase), copies of one structure labelled once (the recipe repeats families)."""
-    import warnings
-
+    metatomic-ase: :func:`direct_targets.demo_calculator`), copies of one structure labelled
+    once (the recipe repeats families)."""
     import numpy as np
-    from metatomic_ase import MetatomicCalculator
-    from metatrain.utils.io import load_model
+    from direct_targets import demo_calculator  # this folder is on the path of a script run from it
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        calc = MetatomicCalculator(load_model(checkpoint).export(), device="cpu", uncertainty_threshold=None)
+    calc = demo_calculator(str(checkpoint))
     done = {}
 
     def label(frame):
@@ -124,16 +120,15 @@ def write_options(data: Path, folder: Path, own: Path | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    arguments = sys.argv[1:]
-    own = None
-    if len(arguments) == 4 and arguments[2] == "--own":
-        own = Path(arguments.pop(3))
-        arguments.pop(2)
-    if len(arguments) != 2:
-        sys.exit(__doc__)
-    data, folder = map(Path, arguments)
-    if not (data / "train.xyz").exists():
-        sys.exit(f"{data}/train.xyz missing: run scripts/make_dataset.py --out {data} first")
-    if own and not own.exists():
-        sys.exit(f"{own} missing: the checkpoint whose own forces the direct heads should fit")
-    print(write_options(data, folder, own))
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("data", type=Path, help="folder with train.xyz and val.xyz")
+    parser.add_argument("folder", type=Path, help="where the sets and options.yaml go")
+    parser.add_argument("--own", type=Path, default=None, help="fit the direct heads to this checkpoint's own outputs")
+    args = parser.parse_args()
+    if not (args.data / "train.xyz").exists():
+        sys.exit(f"{args.data}/train.xyz missing: run scripts/make_dataset.py --out {args.data} first")
+    if args.own and not args.own.exists():
+        sys.exit(f"{args.own} missing: the checkpoint whose own forces the direct heads should fit")
+    print(write_options(args.data, args.folder, args.own))

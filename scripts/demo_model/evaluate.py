@@ -31,11 +31,18 @@ from ase_tcfp32.validation import cantor_slab, water_box
 from ase_tcfp32.validation.accuracy import against_labels, direct_against_conservative
 
 
-def nve(calc, ps: float) -> dict:
+def water_at_300_k(calc):
+    """The 192-atom water box (seed 0) on ``calc``, momenta from 300 K (seed 0), no net momentum:
+    where the NVE and multiple-time-stepping runs start."""
     atoms = water_box(64, seed=0)
     atoms.calc = calc
     thermalize_momenta(atoms, temperature_K=300, rng=np.random.default_rng(0))
     Stationary(atoms)
+    return atoms
+
+
+def nve(calc, ps: float) -> dict:
+    atoms = water_at_300_k(calc)
     dyn = VelocityVerlet(atoms, 0.5 * fs)
     t, e, temps = [], [], []
 
@@ -65,10 +72,7 @@ def mts(calc, ps: float) -> dict:
     and the final temperature, from the same 300 K start, 0.5 fs (inner) steps."""
     rows = {}
     for inner in (1, 2, 4, 8):
-        atoms = water_box(64, seed=0)
-        atoms.calc = calc
-        thermalize_momenta(atoms, temperature_K=300, rng=np.random.default_rng(0))
-        Stationary(atoms)
+        atoms = water_at_300_k(calc)
         dyn = VelocityVerlet(atoms, 0.5 * fs) if inner == 1 else MTSVelocityVerlet(atoms, 0.5 * fs, inner_steps=inner)
         t, e = [], []
         dyn.attach(lambda: (t.append(dyn.get_time() / (1000 * fs)), e.append(atoms.get_total_energy())))
