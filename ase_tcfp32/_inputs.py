@@ -43,18 +43,25 @@ def neighbor_table(kept: Kept, pairs: Pairs, species: torch.Tensor, columns: tor
     mask = pair_at < capacity
     unique_padding = torch.cumsum((~mask).long(), 0) - 1  # distinct indices: a fast index backward
     spread = torch.where(mask, pair_at, unique_padding % capacity)  # padding reads distinct rows
+    # The padding slots weigh 1e-15, not 0, in PET's attention (metatrain clamps the cutoff factors
+    # before their log), so what they hold matters at that level. Like metatrain's table they hold a
+    # real pair (the first kept one; with none, zeros): a zero-length edge can score high enough for
+    # the leak to reach ~1e-11 of the energy, where a real edge leaks below float64's rounding.
+    first = keep.to(torch.uint8).argmax().reshape(1)  # [1]: no host read, a static shape
 
-    def table(values: torch.Tensor) -> torch.Tensor:
-        """[capacity, ...] pair values as [n, width, ...], zero in the padding."""
+    def table(values: torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
+        """[capacity, ...] pair values as [n, width, ...], ``padding`` ([1, ...]: one pair's) or zero in the padding."""
         rows = values.index_select(0, spread).reshape(n, width, *values.shape[1:])
-        return torch.where(mask.reshape(n, width, *[1] * (values.dim() - 1)), rows, 0)
+        fill = 0 if padding is None else torch.where(keep.any(), padding, torch.zeros_like(padding))
+        return torch.where(mask.reshape(n, width, *[1] * (values.dim() - 1)), rows, fill)
 
-    edge_vectors = table(vectors)
+    edge_vectors = table(vectors, vectors.index_select(0, first))
+    neighbor_species = species[pairs.neighbors]
     # the slot of each pair's reverse (clamped: an overflowing row means the step is redone)
     reverse_slot = slot.index_select(0, pairs.reverse.index_select(0, spread)).clamp_max(n * width - 1)
     batch = {
         "element_indices_nodes": species,
-        "element_indices_neighbors": table(species[pairs.neighbors]),
+        "element_indices_neighbors": table(neighbor_species, neighbor_species.index_select(0, first)),
         "edge_vectors": edge_vectors,
         "edge_distances": torch.sqrt(torch.sum(edge_vectors**2, dim=2) + 1e-15),
         "padding_mask": mask.reshape(n, width),

@@ -160,8 +160,8 @@ def test_the_llpr_force_and_stress_ensembles_in_pieces():
         )
         (result,) = calc.evaluate([atoms], ["forces_ensemble", "stress_ensemble"])  # both from one evaluation
         results.append((result["forces_ensemble"], result["stress_ensemble"]))
-    for whole, parts in zip(*results):  # float64 paths of the demo model agree to ~1e-9 relative (measured 1.2e-9)
-        assert np.abs(whole - parts).max() <= 1e-8 * np.abs(whole).max()
+    for whole, parts in zip(*results):
+        assert np.abs(whole - parts).max() <= 1e3 * EPS64 * np.abs(whole).max()
 
 
 def test_evaluations_in_pieces_say_how_far_they_are(pet64, water, monkeypatch, capsys):

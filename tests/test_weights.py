@@ -10,6 +10,8 @@ import pytest
 from ase_tcfp32 import TCPETCalculator
 from ase_tcfp32.validation import water_box
 
+EPS64 = float(np.finfo(np.float64).eps)
+
 pytestmark = pytest.mark.usefixtures("one_thread")  # small evaluations on 2 shared cores
 
 
@@ -50,11 +52,10 @@ def test_weighted_results_agree_between_engines_and_ones_give_the_plain_ones(eng
         engines[name].compute([atoms], {"energy", "forces", "stress"}, weights=[weights])[0]
         for name in ("lean", "metatomic")
     )
-    # the two engines' float64 evaluations of the demo model agree to ~1e-11 relative (unweighted
-    # energy 1.3e-9 eV of 125 eV, forces 4.4e-10 eV/Å); a weighting error would show at 0.1 eV
-    assert lean["energy"] == pytest.approx(metatomic["energy"], rel=1e-10)
-    assert np.abs(lean["forces"] - metatomic["forces"]).max() < 1e-8
-    assert np.abs(lean["stress"] - metatomic["stress"]).max() < 1e-9
+    # both engines evaluate the same float64 arithmetic in other orders: rounding-level differences
+    for key in ("energy", "forces", "stress"):
+        scale = np.abs(metatomic[key]).max()
+        assert np.abs(lean[key] - metatomic[key]).max() <= 1e3 * EPS64 * scale, key
     assert np.abs(lean["forces"]).max() > 0.1  # not trivially zero
     plain = engines["lean"].compute([atoms], {"energy", "forces", "stress"})[0]
     ones = engines["lean"].compute([atoms], {"energy", "forces", "stress"}, weights=[np.ones(len(atoms))])[0]
