@@ -49,6 +49,16 @@ def environment(device: str | None = None) -> dict:
     return env
 
 
+def checkpoint_digest(model: str) -> str:
+    """The first 12 hex digits of the sha256 of ``model``'s checkpoint file (a uPET name, the
+    bundled model's name or a path): which weights a row was measured with."""
+    import hashlib
+
+    from ase_tcfp32.models import resolve_checkpoint
+
+    return hashlib.sha256(resolve_checkpoint(model).read_bytes()).hexdigest()[:12]
+
+
 def device_tag(env: dict) -> str:
     """The file-name tag of a device: ``NVIDIA H200`` -> ``h200``, no GPU -> ``cpu``."""
     gpu = env.get("gpu")

@@ -324,13 +324,25 @@ def profile_step() -> str:
     return table(head, out) + "\n\n" + measured(data)
 
 
+def checkpoint_note(row: dict) -> str:
+    """Nothing when ``row`` was measured with the bundled model's current checkpoint (or
+    a downloaded one); otherwise which checkpoint it was (:func:`_results.checkpoint_digest`)."""
+    from ase_tcfp32.models import BUNDLED
+
+    if row["model"] not in BUNDLED:
+        return ""
+    if row.get("checkpoint_sha256") == _results.checkpoint_digest(row["model"]):
+        return ""
+    return f" (an earlier version of it: checkpoint sha256 {row.get('checkpoint_sha256', 'not recorded')}...)"
+
+
 def long_runs() -> str:
     soak, watchdog = _results.read("soak_h200"), _results.read("watchdog_cost_h200")
     s, w = soak["rows"][0], watchdog["rows"][0]
     first, last = s["records"][0], s["records"][-1]
     out = [
         [
-            f"`benchmarks/soak.py`: {s['model']}, {s['atoms']} atoms, {s['timestep_fs']} fs",
+            f"`benchmarks/soak.py`: {s['model']}{checkpoint_note(s)}, {s['atoms']} atoms, {s['timestep_fs']} fs",
             f"{s['steps']:,} steps at a median {s['median_ms']:.2f} ms; energy drift {s['drift_meV_per_atom_per_ps']:.4f} meV/atom/ps; "
             f"{last['list_rebuilds']:,} pair-list rebuilds, {last['widenings']} widenings of the neighbor table, "
             f"{last['graph_recordings']} CUDA-graph recordings; GPU memory {first['allocated_GB']:.2f} GB at step {first['step']:,}, "

@@ -80,6 +80,7 @@ def main() -> None:
     energies = np.array([r["e_total_eV"] for r in records])
     result = {
         "model": args.model,
+        "checkpoint_sha256": _results.checkpoint_digest(args.model),
         "calculator": repr(calc),
         "atoms": len(atoms),
         "timestep_fs": 0.5,
