@@ -8,6 +8,7 @@ it), r-RESPA applies it as impulses whose error is of third order in the outer s
 (measured: at most 0.045 of it over 1 to 3 outer steps of 4 × 0.25 fs): bound 0.1."""
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -159,6 +160,31 @@ def test_langevin_reaches_its_temperature(pet, water):
     dyn.run(150)
     assert np.mean(temperatures[-120:]) == pytest.approx(300, rel=0.15)
     assert dyn.todict()["temperature_K"] == 300
+
+
+def test_a_run_that_does_not_conserve_energy_says_so_once(pet, water):
+    """Random direct heads at M = 8, 0.5 fs inner steps: the total energy moves by ~1 meV/atom
+    within 10 outer steps (measured), past a 0.4 meV/atom ``energy_drift_warning``: one warning,
+    naming M and the outer step. Velocity Verlet (M = 1) over the same 40 fs moves it by 0.014
+    meV/atom: no warning; ``energy_drift_warning=None``: none either."""
+
+    def warnings_of(inner_steps: int, steps: int, **options) -> list[str]:
+        atoms = with_calculator(water, calculator(pet))
+        dyn = MTSVelocityVerlet(atoms, 0.5 * units.fs, inner_steps=inner_steps, **options)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dyn.run(steps)
+        assert dyn.initial_energy == pytest.approx(
+            calculator(pet).get_potential_energy(water) + water.get_kinetic_energy(), abs=1e-5
+        )
+        return [str(w.message) for w in caught if "does not conserve energy" in str(w.message)]
+
+    (message,) = warnings_of(8, 10, energy_drift_warning=4e-4)
+    assert "M = 8, outer step 4 fs" in message and "meV/atom in 0.0" in message
+    assert warnings_of(1, 80, energy_drift_warning=4e-4) == []
+    assert warnings_of(8, 10, energy_drift_warning=None) == []
+    with pytest.raises(ValueError, match="energy_drift_warning is more than 0"):
+        MTSVelocityVerlet(with_calculator(water, calculator(pet)), units.fs, energy_drift_warning=0)
 
 
 @pytest.mark.gpu
