@@ -234,7 +234,8 @@ class MTSVelocityVerlet(_RESPA):
         outer step either way, and on every inner step through ASE.
     :param energy_drift_warning: eV per atom: warn, once, when the total energy (conservative
         potential plus kinetic) has moved by more than this since the first step
-        (:data:`ENERGY_DRIFT_WARNING`); None: never.
+        (:data:`ENERGY_DRIFT_WARNING`); None: never. After changing the energy on purpose
+        (rescaled momenta, moved atoms), ``dyn.initial_energy = None`` measures from the next step.
     :param kwargs: ASE's ``MolecularDynamics`` options: ``trajectory``, ``logfile``,
         ``loginterval`` (in outer steps), ...
     """

@@ -187,6 +187,24 @@ def test_a_run_that_does_not_conserve_energy_says_so_once(pet, water):
         MTSVelocityVerlet(with_calculator(water, calculator(pet)), units.fs, energy_drift_warning=0)
 
 
+def test_the_energy_check_measures_from_a_reset(pet, water):
+    """Momenta doubled between runs (the kinetic energy x4, 0.1 eV/atom more here): measured
+    from the first step that is a drift and warns; with ``initial_energy`` reset it is not."""
+    caught_by_reset = []
+    for reset in (False, True):
+        atoms = with_calculator(water, calculator(pet))
+        dyn = MTSVelocityVerlet(atoms, 0.5 * units.fs, inner_steps=1)
+        dyn.run(2)
+        atoms.set_momenta(2 * atoms.get_momenta())
+        if reset:
+            dyn.initial_energy = None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dyn.run(2)
+        caught_by_reset.append([w for w in caught if "does not conserve energy" in str(w.message)])
+    assert len(caught_by_reset[0]) == 1 and caught_by_reset[1] == []
+
+
 @pytest.mark.gpu
 def test_graphs_engine_records_each_kind_of_evaluation_once(tiny_ckpt):
     """On the GPU (engine="graphs"): the direct-only and the combined evaluations each
