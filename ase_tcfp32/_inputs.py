@@ -48,11 +48,12 @@ def neighbor_table(kept: Kept, pairs: Pairs, species: torch.Tensor, columns: tor
     # real pair (the first kept one; with none, zeros): a zero-length edge can score high enough for
     # the leak to reach ~1e-11 of the energy, where a real edge leaks below float64's rounding.
     first = keep.to(torch.uint8).argmax().reshape(1)  # [1]: no host read, a static shape
+    any_kept = keep.any()
 
     def table(values: torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
         """[capacity, ...] pair values as [n, width, ...], ``padding`` ([1, ...]: one pair's) or zero in the padding."""
         rows = values.index_select(0, spread).reshape(n, width, *values.shape[1:])
-        fill = 0 if padding is None else torch.where(keep.any(), padding, torch.zeros_like(padding))
+        fill = 0 if padding is None else torch.where(any_kept, padding, torch.zeros_like(padding))
         return torch.where(mask.reshape(n, width, *[1] * (values.dim() - 1)), rows, fill)
 
     edge_vectors = table(vectors, vectors.index_select(0, first))

@@ -276,10 +276,8 @@ class MTSVelocityVerlet(_RESPA):
         moved = (self.total_energy() - self.initial_energy) / len(self.atoms)
         if abs(moved) > self.energy_drift_warning:
             self._warned = True
-            outer_fs, ps = (
-                self.dt / units.fs,
-                (self.nsteps + 1) * self.dt / (1000 * units.fs),
-            )  # nsteps: before this one
+            outer_fs = self.dt / units.fs
+            ps = (self.nsteps + 1) * self.dt / (1000 * units.fs)  # nsteps counts the steps before this one
             warnings.warn(
                 f"multiple time stepping does not conserve energy here: the total energy has moved by "
                 f"{1000 * moved:+.1f} meV/atom in {ps:.3f} ps (M = "

@@ -41,6 +41,14 @@ def water():
     return atoms
 
 
+def drift_warnings(dyn, steps: int) -> list[str]:
+    """The energy check's warnings while ``dyn`` runs ``steps`` steps."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dyn.run(steps)
+    return [str(w.message) for w in caught if "does not conserve energy" in str(w.message)]
+
+
 def with_calculator(atoms, calc):
     atoms = atoms.copy()
     atoms.calc = calc
@@ -171,13 +179,11 @@ def test_a_run_that_does_not_conserve_energy_says_so_once(pet, water):
     def warnings_of(inner_steps: int, steps: int, **options) -> list[str]:
         atoms = with_calculator(water, calculator(pet))
         dyn = MTSVelocityVerlet(atoms, 0.5 * units.fs, inner_steps=inner_steps, **options)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            dyn.run(steps)
+        caught = drift_warnings(dyn, steps)
         assert dyn.initial_energy == pytest.approx(
             calculator(pet).get_potential_energy(water) + water.get_kinetic_energy(), abs=1e-5
         )
-        return [str(w.message) for w in caught if "does not conserve energy" in str(w.message)]
+        return caught
 
     (message,) = warnings_of(8, 10, energy_drift_warning=4e-4)
     assert "M = 8, outer step 4 fs" in message and "meV/atom in 0.0" in message
@@ -198,10 +204,7 @@ def test_the_energy_check_measures_from_a_reset(pet, water):
         atoms.set_momenta(2 * atoms.get_momenta())
         if reset:
             dyn.initial_energy = None
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            dyn.run(2)
-        caught_by_reset.append([w for w in caught if "does not conserve energy" in str(w.message)])
+        caught_by_reset.append(drift_warnings(dyn, 2))
     assert len(caught_by_reset[0]) == 1 and caught_by_reset[1] == []
 
 

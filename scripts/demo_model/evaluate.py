@@ -78,6 +78,20 @@ def nve(calc, ps: float) -> dict:
     }
 
 
+def energy_drift(dyn, ps: float) -> dict:
+    """``dyn`` run for ``ps`` picoseconds: its atoms' total-energy drift (eV/ps, a straight
+    line's slope over every step), its span (eV) and the final temperature (K)."""
+    atoms, t, e = dyn.atoms, [], []
+    dyn.attach(lambda: (t.append(dyn.get_time() / (1000 * fs)), e.append(atoms.get_total_energy())))
+    dyn.run(round(ps * 1000 * fs / dyn.dt))
+    return {
+        "ps": ps,
+        "drift_eV_ps": float(np.polyfit(t, e, 1)[0]),
+        "span_eV": float(np.ptp(e)),
+        "T_end_K": float(atoms.get_temperature()),
+    }
+
+
 def mts(calc, ps: float) -> dict:
     """Per M (1: velocity Verlet, conservative forces; 2, 4, 8: multiple time stepping), the
     192-atom water box's total-energy drift (eV/ps, a straight line's slope), its span (eV)
@@ -88,15 +102,7 @@ def mts(calc, ps: float) -> dict:
         atoms = start.copy()
         atoms.calc = calc
         dyn = VelocityVerlet(atoms, 0.5 * fs) if inner == 1 else MTSVelocityVerlet(atoms, 0.5 * fs, inner_steps=inner)
-        t, e = [], []
-        dyn.attach(lambda: (t.append(dyn.get_time() / (1000 * fs)), e.append(atoms.get_total_energy())))
-        dyn.run(round(ps * 1000 * fs / dyn.dt))
-        rows[inner] = {
-            "ps": ps,
-            "drift_eV_ps": float(np.polyfit(t, e, 1)[0]),
-            "span_eV": float(np.ptp(e)),
-            "T_end_K": float(atoms.get_temperature()),
-        }
+        rows[inner] = energy_drift(dyn, ps)
         print(inner, rows[inner], flush=True)
     return rows
 

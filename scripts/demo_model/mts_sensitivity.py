@@ -34,7 +34,7 @@ from ase.units import fs
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from evaluate import relaxed_water_at_300_k, water_at_300_k  # noqa: E402
+from evaluate import energy_drift, relaxed_water_at_300_k, water_at_300_k  # noqa: E402
 
 from ase_tcfp32 import TCPETCalculator  # noqa: E402
 from ase_tcfp32.mts import BOTH, MTSLangevin, MTSVelocityVerlet  # noqa: E402
@@ -68,17 +68,7 @@ def run(start, ps: float, inner_steps: int, alpha: float | None) -> dict:
         dyn = MTSVelocityVerlet(atoms, 0.5 * fs, inner_steps)
     else:
         dyn = ScaledDirectMTS(atoms, 0.5 * fs, inner_steps, alpha)
-    t, e = [], []
-    dyn.attach(lambda: (t.append(dyn.get_time() / (1000 * fs)), e.append(atoms.get_total_energy())))
-    dyn.run(round(ps * 1000 * fs / dyn.dt))
-    return {
-        "alpha": alpha,
-        "inner_steps": 1 if alpha is None else inner_steps,
-        "ps": ps,
-        "drift_eV_ps": float(np.polyfit(t, e, 1)[0]),
-        "span_eV": float(np.ptp(e)),
-        "T_end_K": float(atoms.get_temperature()),
-    }
+    return {"alpha": alpha, "inner_steps": 1 if alpha is None else inner_steps, **energy_drift(dyn, ps)}
 
 
 def thermostatted(start, ps: float, inner_steps: int) -> dict:
