@@ -56,7 +56,7 @@ def direct_forces_on_device(engine: LeanPET, structures: list[Atoms]) -> Callabl
     cells = torch.from_numpy(batch.cells).to(engine.device, engine.dtype)
     reference = torch.from_numpy(engine.neighbors.reference).to(engine.device, torch.float64)
     reach, width, rows = (0.5 * engine.skin) ** 2, engine.width, engine.rows
-    flags = {"grad": False, "stress": False, "direct": (FORCE,), "llpr": ()}
+    flags = {"grad": False, "stress": False, "direct": (FORCE,), "llpr": (), "energy": False}  # nothing else read
 
     def forces(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         flat = engine._evaluate(

@@ -55,9 +55,8 @@ the edge work (GEMMs and attention): metatrain's own table has no margin."""
 
 
 ROW_SPARE = 0.02
-"""Packed rows (:mod:`ase_tcfp32._packed`) beyond the kept pairs, as a fraction of them, so
-that their number can grow by that much before a step is redone with more rows (and, with
-CUDA graphs, a new graph recorded)."""
+"""Packed rows (:mod:`ase_tcfp32._packed`) beyond the kept pairs, as a fraction of them, so that their
+number can grow by that much before a step is redone with more rows (and a CUDA graph recorded anew)."""
 
 
 def unsupported_reason(pet: torch.nn.Module) -> str | None:
@@ -257,14 +256,15 @@ class LeanPET:
         numbers: torch.Tensor,
         direct: tuple[str, ...],
         features: tuple[str, ...] = (),
+        energy: bool = True,
     ) -> tuple:
-        """Per-atom energies [N] (eV, float64: PET's output, scaled and offset in float64),
-        the ``direct`` heads' per-atom predictions (float64, scaled; [N, 3] and [N, 9]), the
+        """Per-atom energies [N] (eV, float64: PET's output, scaled and offset in float64; None
+        without ``energy``), the ``direct`` heads' per-atom predictions (float64, scaled; [N, 3] and [N, 9]), the
         sizes the step needed (a tensor [2]: the largest neighbor count and, on packed rows,
         the kept pairs' number) and the last-layer features [N, F] of the heads among
         ``features`` (a dict by head), for the pair ``vectors`` [capacity, 3] of atoms of
         atomic ``numbers`` [N] in structures of ``cells`` [S, 3, 3]."""
-        quantities = (ENERGY, *direct)
+        quantities = (ENERGY, *direct) if energy else direct
         heads = [self.heads[quantity] for quantity in quantities]
         features = [head.name for quantity, head in zip(quantities, heads) if quantity in features]
         if self.packed:
@@ -283,7 +283,8 @@ class LeanPET:
             out.double() * head.scale[numbers][:, None] + head.offset[numbers][:, None]
             for out, head in zip(outputs, heads)
         ]
-        return scaled[0][:, 0], scaled[1:], torch.stack([most, total]), dict(zip(quantities, found))
+        energies = scaled.pop(0)[:, 0] if energy else None  # the energy head's
+        return energies, scaled, torch.stack([most, total]), dict(zip(quantities, found))
 
     def _step(
         self,
@@ -296,24 +297,25 @@ class LeanPET:
         stress: bool,
         direct: tuple[str, ...],
         llpr: tuple[str, ...] = (),
+        energy: bool = True,
     ) -> Flat:
-        """One evaluation on the device, its results packed (:class:`~ase_tcfp32._results.Flat`): per-structure
-        energies [S] (sums of the per-atom energies [N] times their ``weights`` [N]); with ``grad`` the forces [N, 3]
-        (with ``stress`` each structure's strain derivative [S, 3, 3]) from one backward pass of those sums; the
-        ``direct`` heads' forces [N, 3] (net force removed per structure) and stress [S, 3, 3], same forward pass;
-        the ``llpr`` outputs of the heads' last-layer features (:meth:`ase_tcfp32._uncertainty.Uncertainty.outputs`)."""
+        """One evaluation on the device, its results packed (:class:`~ase_tcfp32._results.Flat`): with ``energy``
+        per-structure energies [S] (the per-atom energies [N] times their ``weights`` [N], summed), with ``grad`` the
+        forces [N, 3] (``stress``: each structure's strain derivative [S, 3, 3]) from one backward pass of those sums;
+        the ``direct`` heads' forces [N, 3] (no net force per structure) and stress [S, 3, 3], same forward pass; the
+        ``llpr`` outputs of the heads' last-layer features (:meth:`ase_tcfp32._uncertainty.Uncertainty.outputs`)."""
         positions = positions.detach().requires_grad_(grad)
         count = cells.shape[0]
         with torch.set_grad_enabled(grad):
             vectors = pair_vectors(positions, self.pairs)
-            energies, terms, sizes, found = self.predict(vectors, cells, numbers, direct, features_for(llpr))
-            weighted = energies * weights
+            energies, terms, sizes, found = self.predict(vectors, cells, numbers, direct, features_for(llpr), energy)
+            out = {"sizes": sizes}
+            if energy:  # without it (inner steps of multiple time stepping), its head is not read
+                weighted = energies * weights
+                out.update(energy=per_structure_sums(weighted.detach(), system, count), energies=energies.detach())
             if grad:
                 wrt = [positions, vectors] if stress else [positions]
                 grads = torch.autograd.grad(weighted.sum(), wrt, retain_graph="energy_ensemble" in llpr)
-            totals = per_structure_sums(weighted.detach(), system, count)
-            out = {"energy": totals, "energies": energies.detach(), "sizes": sizes}
-            if grad:
                 out["forces"] = -grads[0]
             if grad and stress:  # dE/d(strain) of structure s: its pairs' v ⊗ dE/dv, summed (see the module doc)
                 out["virial"] = virials(vectors, grads[1], self.pairs, count)

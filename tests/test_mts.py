@@ -251,6 +251,27 @@ def test_inner_steps_on_the_device_follow_the_ase_path(pet, water, integrator):
     assert np.abs(device.positions - water.positions).max() > 1e-3  # they moved
 
 
+def test_inner_steps_on_the_device_read_the_direct_force_head_alone(pet, water, monkeypatch):
+    """The inner steps need the direct forces only: their evaluations do not read the energy
+    head (a tenth of a small system's kernels); the outer ones read both."""
+    from ase_tcfp32 import _lean
+
+    read = []
+
+    def table_predictions(backend, nodes, edges, batch, names, *args):
+        read.append(names)
+        return original(backend, nodes, edges, batch, names, *args)
+
+    original = _lean.table_predictions  # a CPU evaluates PET on the neighbor table
+    monkeypatch.setattr(_lean, "table_predictions", table_predictions)
+    atoms = with_calculator(water, calculator(pet, neighbor_skin=2.0))
+    dyn = MTSVelocityVerlet(atoms, 0.5 * units.fs, inner_steps=4)
+    dyn.run(2)
+    assert dyn.redone_steps == 0
+    both, direct = ["energy", "non_conservative_force"], ["non_conservative_force"]
+    assert read == [both] + 2 * (3 * [direct] + [both])  # first evaluation; per outer step 3 inner, 1 outer
+
+
 def test_inner_steps_leave_the_device_when_the_neighbor_list_expires(pet, water):
     """With a 0.02 Å skin the neighbor list expires within a few inner steps: the steps on
     the device notice it afterwards and the outer step is redone through ASE, which rebuilds
