@@ -224,6 +224,10 @@ def check_threshold(threshold) -> float | None:
     return float(threshold)
 
 
+NAMED_STRUCTURES = 4
+"""How many structures above the threshold one warning names (the others are counted)."""
+
+
 def warn_above(threshold: float, sigmas: list[np.ndarray]) -> None:
     """metatomic-ase's warning, naming the atoms whose energy uncertainty in ``sigmas`` (one
     array [n] per structure, eV) exceeds ``threshold`` (and the structures, for several)."""
@@ -233,8 +237,11 @@ def warn_above(threshold: float, sigmas: list[np.ndarray]) -> None:
         return
     if len(sigmas) == 1:
         where = f"atoms {_listed(above[0][1])}"
-    else:
-        where = "; ".join(f"structure {k}: atoms {_listed(atoms)}" for k, atoms in above)
+    else:  # many structures (rotated copies, path-integral beads): the first few named, the rest counted
+        where = "; ".join(f"structure {k}: atoms {_listed(atoms)}" for k, atoms in above[:NAMED_STRUCTURES])
+        if len(above) > NAMED_STRUCTURES:
+            more = len(above) - NAMED_STRUCTURES
+            where = f"{len(above)} of {len(sigmas)} structures ({where}; and {more} more)"
     warnings.warn(
         "Some of the atomic energy uncertainties are larger than the threshold of "
         f"{threshold} eV. The prediction is above the threshold for {where}.",

@@ -200,6 +200,9 @@ def test_the_threshold_warns_for_the_atoms_above_it(engine):
     assert calc.uncertainty_threshold == 0.1  # upet's default
     (message,) = catch(lambda: calc.evaluate([atoms, atoms.copy()], ["energy"]))
     assert "structure 0: atoms [" in message and "structure 1: atoms [" in message
+    (message,) = catch(lambda: calc.evaluate([atoms] * 10, ["energy"]))  # many: the first 4 named
+    assert "10 of 10 structures (structure 0: atoms [" in message and "structure 3: atoms [" in message
+    assert "structure 4:" not in message and message.endswith("; and 6 more).")
     for threshold in (1.0, None):
         atoms.calc = demo(engine=engine, uncertainty_threshold=threshold)
         assert catch(atoms.get_potential_energy) == []
