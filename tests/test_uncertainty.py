@@ -203,6 +203,8 @@ def test_the_threshold_warns_for_the_atoms_above_it(engine):
     (message,) = catch(lambda: calc.evaluate([atoms] * 10, ["energy"]))  # many: the first 4 named
     assert "10 of 10 structures (structure 0: atoms [" in message and "structure 3: atoms [" in message
     assert "structure 4:" not in message and message.endswith("; and 6 more).")
+    (message,) = catch(lambda: calc.evaluate([water_box(64, seed=1)], ["energy"]))  # 192 atoms, all above 0.1 eV
+    assert message.endswith(f"atoms [{' '.join(map(str, range(32)))} ... and 160 more].")
     for threshold in (1.0, None):
         atoms.calc = demo(engine=engine, uncertainty_threshold=threshold)
         assert catch(atoms.get_potential_energy) == []
