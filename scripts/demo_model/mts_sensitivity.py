@@ -1,6 +1,7 @@
 """How close to the conservative forces must the direct ones be for multiple time stepping to conserve energy?
 
     python scripts/demo_model/mts_sensitivity.py --alphas vv,1,0.5,0.25 --inner-steps 8 --ps 0.5 --out mts.json
+    python scripts/demo_model/mts_sensitivity.py --alphas vv,1 --inner-steps 16 --timestep-fs 0.25 --out mts.json
 
 An experiment, not part of the recipe (docs/demo_model.md, "Direct force and stress heads").
 The 192-atom water box of ``evaluate.py``'s ``mts`` part, 0.5 fs inner steps, started near
@@ -45,7 +46,7 @@ class ScaledDirectMTS(MTSVelocityVerlet):
 
     def __init__(self, atoms, timestep, inner_steps, alpha: float):
         self.alpha = alpha
-        super().__init__(atoms, timestep, inner_steps, device_inner_steps=False)
+        super().__init__(atoms, timestep, inner_steps, device_inner_steps=False, energy_drift_warning=None)
 
     def outer_forces(self):
         conservative, direct = super().outer_forces()
@@ -57,18 +58,21 @@ class ScaledDirectMTS(MTSVelocityVerlet):
         return conservative + self.alpha * (result["non_conservative_forces"] - conservative)
 
 
-def run(start, ps: float, inner_steps: int, alpha: float | None) -> dict:
+def run(start, ps: float, inner_steps: int, alpha: float | None, timestep_fs: float = 0.5) -> dict:
     """Drift, span and final temperature of one run from a copy of ``start`` (``alpha`` None:
-    velocity Verlet; 1: :class:`MTSVelocityVerlet` itself, direct forces alone in the inner steps)."""
+    velocity Verlet; 1: :class:`MTSVelocityVerlet` itself, direct forces alone in the inner
+    steps), with inner steps of ``timestep_fs``."""
     atoms = start.copy()
     atoms.calc = start.calc
+    dt = timestep_fs * fs
     if alpha is None:
-        dyn = VelocityVerlet(atoms, 0.5 * fs)
+        dyn = VelocityVerlet(atoms, dt)
     elif alpha == 1:
-        dyn = MTSVelocityVerlet(atoms, 0.5 * fs, inner_steps)
+        dyn = MTSVelocityVerlet(atoms, dt, inner_steps, energy_drift_warning=None)
     else:
-        dyn = ScaledDirectMTS(atoms, 0.5 * fs, inner_steps, alpha)
-    return {"alpha": alpha, "inner_steps": 1 if alpha is None else inner_steps, **energy_drift(dyn, ps)}
+        dyn = ScaledDirectMTS(atoms, dt, inner_steps, alpha)
+    inner = 1 if alpha is None else inner_steps
+    return {"alpha": alpha, "inner_steps": inner, "timestep_fs": timestep_fs, **energy_drift(dyn, ps)}
 
 
 def thermostatted(start, ps: float, inner_steps: int) -> dict:
@@ -121,6 +125,7 @@ def main() -> None:
         "--alphas", default="vv,1,0.5,0.25", help="comma-separated; 'vv' for velocity Verlet ('': none)"
     )
     parser.add_argument("--inner-steps", type=int, default=8)
+    parser.add_argument("--timestep-fs", type=float, default=0.5, help="the inner step (and velocity Verlet's)")
     parser.add_argument("--ps", type=float, default=0.5)
     parser.add_argument("--start", choices=("hot", "relaxed"), default="relaxed")
     parser.add_argument("--langevin", default="", help="comma-separated M: MTSLangevin runs (300 K) after the others")
@@ -138,7 +143,10 @@ def main() -> None:
     rows = []
     for alpha in filter(None, args.alphas.split(",")):
         rows.append(
-            {"start": args.start, **run(start, args.ps, args.inner_steps, None if alpha == "vv" else float(alpha))}
+            {
+                "start": args.start,
+                **run(start, args.ps, args.inner_steps, None if alpha == "vv" else float(alpha), args.timestep_fs),
+            }
         )
         print(json.dumps(rows[-1]), flush=True)
         Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
