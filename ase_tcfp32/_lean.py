@@ -258,12 +258,11 @@ class LeanPET:
         features: tuple[str, ...] = (),
         energy: bool = True,
     ) -> tuple:
-        """Per-atom energies [N] (eV, float64: PET's output, scaled and offset in float64; None
-        without ``energy``), the ``direct`` heads' per-atom predictions (float64, scaled; [N, 3] and [N, 9]), the
-        sizes the step needed (a tensor [2]: the largest neighbor count and, on packed rows,
-        the kept pairs' number) and the last-layer features [N, F] of the heads among
-        ``features`` (a dict by head), for the pair ``vectors`` [capacity, 3] of atoms of
-        atomic ``numbers`` [N] in structures of ``cells`` [S, 3, 3]."""
+        """Per-atom energies [N] (eV, float64: PET's output, scaled and offset in float64; None without
+        ``energy``), the ``direct`` heads' per-atom predictions (float64, scaled; [N, 3] and [N, 9]), the sizes
+        the step needed (a tensor [2]: the largest neighbor count and, on packed rows, the kept pairs' number)
+        and the last-layer features [N, F] of the heads among ``features`` (a dict by head), for the pair
+        ``vectors`` [capacity, 3] of atoms of atomic ``numbers`` [N] in structures of ``cells`` [S, 3, 3]."""
         quantities = (ENERGY, *direct) if energy else direct
         heads = [self.heads[quantity] for quantity in quantities]
         features = [head.name for quantity, head in zip(quantities, heads) if quantity in features]
@@ -299,11 +298,10 @@ class LeanPET:
         llpr: tuple[str, ...] = (),
         energy: bool = True,
     ) -> Flat:
-        """One evaluation on the device, its results packed (:class:`~ase_tcfp32._results.Flat`): with ``energy``
-        per-structure energies [S] (the per-atom energies [N] times their ``weights`` [N], summed), with ``grad`` the
-        forces [N, 3] (``stress``: each structure's strain derivative [S, 3, 3]) from one backward pass of those sums;
-        the ``direct`` heads' forces [N, 3] (no net force per structure) and stress [S, 3, 3], same forward pass; the
-        ``llpr`` outputs of the heads' last-layer features (:meth:`ase_tcfp32._uncertainty.Uncertainty.outputs`)."""
+        """One evaluation on the device, results packed (:class:`~ase_tcfp32._results.Flat`): with ``energy`` the
+        per-structure energies [S] (per-atom energies [N] times ``weights`` [N], summed), with ``grad`` the forces
+        [N, 3] (``stress``: strain derivatives [S, 3, 3]) by one backward pass; the ``direct`` heads' forces [N, 3]
+        (no net force) and stress [S, 3, 3]; the ``llpr`` outputs (:meth:`~ase_tcfp32._uncertainty.Uncertainty.outputs`)."""
         positions = positions.detach().requires_grad_(grad)
         count = cells.shape[0]
         with torch.set_grad_enabled(grad):
