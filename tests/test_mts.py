@@ -294,10 +294,11 @@ def test_inner_steps_on_the_device_replay_the_recorded_graph(tiny_ckpt):
     """On the GPU with the default engine (CUDA graphs): the inner steps on the device
     replay the direct evaluation's recorded graph (no more recordings than through ASE) and
     follow the ASE path's trajectory to FP32 rounding. A GPU's sums (``index_add_``'s atomics)
-    round in any order, so the two paths' forces agree to FP32 rounding, within 1e-5 eV/Å
-    here; over one outer step of 4 fs that moves an atom by at most ½ t² ΔF / m < 1e-6 Å.
-    The random model's dynamics are chaotic and later steps amplify the difference, so the
-    trajectories are compared after the first outer step."""
+    round in any order, so the two paths' forces agree to FP32 rounding, within 1e-4 eV/Å
+    (forces of ~10 eV/Å); over one outer step of 4 fs that moves a hydrogen by at most
+    ½ t² ΔF / m < 1e-5 Å. The random model's dynamics are chaotic and later steps amplify the
+    difference (measured: 1.04e-5 Å after four outer steps, H100), so the trajectories are
+    compared after the first outer step."""
     water = water_box(64, seed=0)
     thermalize_momenta(water, temperature_K=300, rng=np.random.default_rng(0))
     runs, first = {}, {}
@@ -311,10 +312,4 @@ def test_inner_steps_on_the_device_replay_the_recorded_graph(tiny_ckpt):
     device, host = runs[True].calc._engine, runs[False].calc._engine
     assert device.cuda_graphs and device.recordings <= host.recordings
     assert device.evaluations == host.evaluations == 1 + 4 * 8
-    print(
-        "first outer step:",
-        np.abs(first[True] - first[False]).max(),
-        "fourth:",
-        np.abs(runs[True].positions - runs[False].positions).max(),
-    )
-    assert np.abs(first[True] - first[False]).max() < 1e-6
+    assert np.abs(first[True] - first[False]).max() < 1e-5
