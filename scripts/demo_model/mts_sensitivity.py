@@ -75,12 +75,13 @@ def run(start, ps: float, inner_steps: int, alpha: float | None, timestep_fs: fl
     return {"alpha": alpha, "inner_steps": inner, "timestep_fs": timestep_fs, **energy_drift(dyn, ps)}
 
 
-def thermostatted(start, ps: float, inner_steps: int) -> dict:
-    """:class:`MTSLangevin` (300 K, friction 0.01/fs) from a copy of ``start`` with the bundled
-    model's direct forces: the mean and spread of the temperature over the run's second half."""
+def thermostatted(start, ps: float, inner_steps: int, timestep_fs: float = 0.5) -> dict:
+    """:class:`MTSLangevin` (300 K, friction 0.01/fs, inner steps of ``timestep_fs``) from a copy of
+    ``start`` with the bundled model's direct forces: the mean and spread of the temperature over
+    the run's second half."""
     atoms = start.copy()
     atoms.calc = start.calc
-    dyn = MTSLangevin(atoms, 0.5 * fs, 300, 0.01 / fs, inner_steps, rng=np.random.default_rng(0))
+    dyn = MTSLangevin(atoms, timestep_fs * fs, 300, 0.01 / fs, inner_steps, rng=np.random.default_rng(0))
     t, temperatures = [], []
     dyn.attach(lambda: (t.append(dyn.get_time() / (1000 * fs)), temperatures.append(atoms.get_temperature())))
     dyn.run(round(ps * 1000 * fs / dyn.dt))
@@ -88,6 +89,7 @@ def thermostatted(start, ps: float, inner_steps: int) -> dict:
     return {
         "thermostat": "langevin 300 K, 0.01/fs",
         "inner_steps": inner_steps,
+        "timestep_fs": timestep_fs,
         "ps": ps,
         "T_mean_second_half_K": float(late.mean()),
         "T_std_second_half_K": float(late.std()),
@@ -125,7 +127,9 @@ def main() -> None:
         "--alphas", default="vv,1,0.5,0.25", help="comma-separated; 'vv' for velocity Verlet ('': none)"
     )
     parser.add_argument("--inner-steps", type=int, default=8)
-    parser.add_argument("--timestep-fs", type=float, default=0.5, help="the inner step (and velocity Verlet's)")
+    parser.add_argument(
+        "--timestep-fs", type=float, default=0.5, help="the inner step (velocity Verlet's and Langevin's too)"
+    )
     parser.add_argument("--ps", type=float, default=0.5)
     parser.add_argument("--start", choices=("hot", "relaxed"), default="relaxed")
     parser.add_argument("--langevin", default="", help="comma-separated M: MTSLangevin runs (300 K) after the others")
@@ -151,7 +155,7 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
         Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
     for inner in filter(None, args.langevin.split(",")):
-        rows.append({"start": args.start, **thermostatted(start, args.ps, int(inner))})
+        rows.append({"start": args.start, **thermostatted(start, args.ps, int(inner), args.timestep_fs)})
         print(json.dumps(rows[-1]), flush=True)
         Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
 
