@@ -125,7 +125,9 @@ def test_small_products_are_summed_in_parts_that_fill_the_gpu(monkeypatch):
     assert triton_gemm.parts(64, 1024, 2048, gpu, small) == 16  # 8 tiles
     assert triton_gemm.parts(192, 256, 256, gpu, small) == 0  # too light for the kernel
     assert triton_gemm.parts(192, 256, 1024, gpu, small) == 0  # tf32x3: cuBLAS FP32 under 2^27
-    assert triton_gemm.parts(192, 256, 1024, gpu, small, fp16x3.MIN_SMALL_WORK) == 8  # fp16x3: from 2^25
+    assert triton_gemm.parts(192, 256, 1024, gpu, small, fp16x3.MIN_SMALL_WORK) == 8  # fp16x3: from 2^20
+    assert triton_gemm.parts(192, 64, 256, gpu, small, fp16x3.MIN_SMALL_WORK) >= 1  # the demo model's heads
+    assert triton_gemm.parts(192, 64, 64, gpu, small, fp16x3.MIN_SMALL_WORK) == 0  # 786,432 multiply-adds
     assert triton_gemm.parts(7296, 9, 256, gpu, small) == 0  # narrow
     for m in (1, 64, 192, 700, 3000):
         for n in (16, 128, 1000, 4096):

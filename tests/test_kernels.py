@@ -311,6 +311,25 @@ def test_fp16x3_small_tiles_give_the_bits_of_the_tuned_ones(fp16x3, epilogue):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("m, n, k", [(192, 256, 512), (192, 64, 256), (4608, 64, 64)])
+def test_the_fp16x3_backend_runs_light_products_on_small_tiles(fp16x3, m, n, k):
+    """Products from 2^20 multiply-adds on run fp16x3, not cuBLAS FP32: the bundled demo
+    model's (d_pet 64) at 192 atoms, its node feed-forward's second layer, its heads' first
+    layers and its edge layers; same error level as FP32 in both directions."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    x = torch.randn(m, k, device="cuda", generator=g)
+    w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
+    b = torch.randn(n, device="cuda", generator=g)
+    gy = torch.randn(m, n, device="cuda", generator=g)
+    backend = fp16x3.Fp16x3Backend()
+    prepared = backend.prepare(w)
+    y, dx = fp16x3._product(x, prepared.forward, b), fp16x3._product(gy, prepared.backward)
+    assert y is not None and dx is not None  # None: cuBLAS FP32 would run them
+    exact, exact_dx = x.double() @ w.double().T + b.double(), gy.double() @ w.double()
+    assert_fp32_level(rel_error(y, exact), rel_error(x @ w.T + b, exact), k, 1.0)
+    assert_fp32_level(rel_error(dx, exact_dx), rel_error(gy @ w, exact_dx), n, 1.0)
+
+
 @pytest.mark.parametrize("n, k", [(4096, 1024), (256, 1024)])  # the node update's first layer, the center contraction
 def test_the_fp16x3_backend_runs_small_node_layers_on_small_tiles(fp16x3, n, k):
     """192 rows of PET-S's node layers (too few for the tuned tiles, min_rows) run SMALL

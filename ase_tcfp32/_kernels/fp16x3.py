@@ -340,13 +340,17 @@ Not a 64-column tile: tuned on 262,144 rows it won for N = K = 256, and was 20% 
 :data:`CONFIG` on PET's 700,000 (H200)."""
 
 
-MIN_SMALL_WORK = 2**25
+MIN_SMALL_WORK = 2**20
 """The fewest multiply-adds (M N K) for which fp16x3 runs a product under
 :func:`~.triton_gemm.min_rows` itself (:data:`SMALL`, :func:`~.triton_gemm.parts`); lighter
-ones run cuBLAS FP32. PET-S's [192 x 1024] -> 256 node products (5e7: the center
-contraction, the heads' first layers) took 22 µs each in cuBLAS's large-K kernel; from 2^25
-on, the replayed 192-atom PET-S step's GPU work went from 2.80 to 2.72 ms, with no cuBLAS
-large-K launch left (H200, ``torch.profiler`` over 20 replays)."""
+ones run cuBLAS FP32, whose small-product kernels (a large-K kernel with its split-K
+reduction and scaling, 12-22 µs a product) take longer than one launch of small tiles.
+PET-S's [192 x 1024] -> 256 node products (5e7) took 22 µs each in cuBLAS's large-K kernel;
+from 2^25 on, the replayed 192-atom PET-S step's GPU work went from 2.80 to 2.72 ms (H200).
+The bundled demo model (d_pet 64) has lighter ones still, [4,608 x 64] -> 64 on a 192-atom
+box's edges, [192 x 512] -> 256 and [192 x 256] -> 64 on its atoms: from 2^20 on its direct
+evaluation's GPU work went from 0.92 to 0.77 ms and the conservative one's from 1.56 to
+1.43 ms (H100, ``torch.profiler`` over 10 calls, two runs agreeing to 0.005 ms)."""
 
 
 SMALL = dict(CONFIG, **small(SMALL_ROWS))
