@@ -226,6 +226,15 @@ def test_graphs_engine_records_each_kind_of_evaluation_once(tiny_ckpt):
     assert np.abs(runs["graphs"].positions - runs["lean"].positions).max() < 1e-5
 
 
+def seeded_dynamics(atoms, integrator: str, inner_steps: int, on_device: bool):
+    """``MTSVelocityVerlet`` (``"verlet"``) or ``MTSLangevin`` (300 K, 0.05 / fs, seeded noise)
+    with 0.5 fs inner steps, on the device or through ASE."""
+    if integrator == "verlet":
+        return MTSVelocityVerlet(atoms, 0.5 * units.fs, inner_steps=inner_steps, device_inner_steps=on_device)
+    rng = np.random.default_rng(5)
+    return MTSLangevin(atoms, 0.5 * units.fs, 300, 0.05 / units.fs, inner_steps, rng=rng, device_inner_steps=on_device)
+
+
 @pytest.mark.parametrize("integrator", ["verlet", "langevin"])
 def test_inner_steps_on_the_device_follow_the_ase_path(pet, water, integrator):
     """The inner steps run on the model's device (the default) give the trajectory of the
@@ -236,11 +245,7 @@ def test_inner_steps_on_the_device_follow_the_ase_path(pet, water, integrator):
     runs = []
     for on_device in (True, False):
         atoms = with_calculator(water, calculator(pet, neighbor_skin=2.0))
-        if integrator == "verlet":
-            dyn = MTSVelocityVerlet(atoms, 0.5 * units.fs, inner_steps=4, device_inner_steps=on_device)
-        else:
-            rng = np.random.default_rng(5)
-            dyn = MTSLangevin(atoms, 0.5 * units.fs, 300, 0.05 / units.fs, 4, rng=rng, device_inner_steps=on_device)
+        dyn = seeded_dynamics(atoms, integrator, 4, on_device)
         dyn.run(5)
         runs.append(atoms)
         assert dyn.redone_steps == 0
@@ -307,11 +312,7 @@ def test_inner_steps_on_the_device_replay_the_recorded_graph(tiny_ckpt, integrat
     runs, early = {}, {}
     for on_device in (True, False):
         atoms = with_calculator(water, TCPETCalculator(tiny_ckpt, precision="tf32x3", device="cuda", check_accuracy=0))
-        if integrator == "verlet":
-            dyn = MTSVelocityVerlet(atoms, 0.5 * units.fs, inner_steps=8, device_inner_steps=on_device)
-        else:
-            rng = np.random.default_rng(5)
-            dyn = MTSLangevin(atoms, 0.5 * units.fs, 300, 0.05 / units.fs, 8, rng=rng, device_inner_steps=on_device)
+        dyn = seeded_dynamics(atoms, integrator, 8, on_device)
         dyn.run(2)
         early[on_device] = atoms.get_positions()
         dyn.run(2)
