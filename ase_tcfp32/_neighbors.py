@@ -121,7 +121,13 @@ def _vesin_pairs(positions: torch.Tensor, cell: torch.Tensor, pbc: np.ndarray, c
 
 
 def build_pairs(
-    positions: torch.Tensor, host_cells: np.ndarray, pbcs: np.ndarray, sizes: list[int], cutoff: float, capacity: int
+    positions: torch.Tensor,
+    host_cells: np.ndarray,
+    pbcs: np.ndarray,
+    sizes: list[int],
+    cutoff: float,
+    capacity: int,
+    into: Pairs | None = None,
 ) -> Pairs:
     """Pairs within ``cutoff`` (Å) of the float64 ``positions`` [N, 3] (on CPU or CUDA) of
     structures of ``sizes`` atoms one after another, their cells [S, 3, 3] and ``pbcs``
@@ -129,7 +135,14 @@ def build_pairs(
     more pairs than that, padded to 10% more, in multiples of 1024, so that the next lists
     fit too. The padding pairs are atom 0 to itself with no shift. On a GPU, small
     3D-periodic cells of the same size and reach (like path-integral beads) get their pairs
-    from one :func:`all_pairs` (:data:`ALL_PAIRS_LIMIT`); the others from vesin, one by one."""
+    from one :func:`all_pairs` (:data:`ALL_PAIRS_LIMIT`); the others from vesin, one by one.
+    Where every structure is such a cell and Triton runs, the search is
+    :mod:`ase_tcfp32._kernels.pairs`' (a few launches, one wait for the device).
+
+    With ``into`` (an earlier build's pairs for the same atoms, on the pairs' device), the
+    pairs are written into its tensors where they fit its capacity (a recorded CUDA graph
+    reads them; the offsets in its float type) and it is returned with the new count;
+    otherwise the pairs are new tensors, the offsets float64."""
     device, n = positions.device, len(positions)
     cells, starts = torch.from_numpy(host_cells).to(device, torch.float64), np.cumsum([0, *sizes[:-1]])
     found, groups = [], {}
@@ -147,6 +160,9 @@ def build_pairs(
                 s.to(device, torch.int64),
             )
         )
+    if not found and len(groups) == 1 and _kernel_searches(device):
+        ((size, *reach),) = groups
+        return _searched(positions.view(-1, size, 3), host_cells, cutoff, reach, capacity, into)
     for (size, *reach), members in groups.items():
         atoms = torch.from_numpy(starts[members][:, None] + np.arange(size)).to(device)  # [B, size] batch indices
         b, i, j, s = all_pairs(positions[atoms], host_cells[members], cutoff, reach)
@@ -176,7 +192,7 @@ def build_pairs(
         capacity = round_up(int(1.1 * count) + 64, 1024)
     pad = capacity - count
     per_atom = torch.bincount(i, minlength=n)
-    return Pairs(
+    pairs = Pairs(
         centers=torch.cat([i, i.new_zeros(pad)]),
         neighbors=torch.cat([j, j.new_zeros(pad)]),
         shifts=torch.cat([shifts, shifts.new_zeros(pad, 3)]),
@@ -188,6 +204,46 @@ def build_pairs(
         first=torch.cat([per_atom.new_zeros(1), torch.cumsum(per_atom, 0)]),
         count=count,
     )
+    if into is None or into.valid.numel() != capacity:
+        return pairs
+    for static, fresh in zip(into[:-1], pairs[:-1]):
+        static.copy_(fresh)
+    return into._replace(count=count)
+
+
+def _kernel_searches(device: torch.device) -> bool:
+    """Whether :mod:`ase_tcfp32._kernels.pairs` can search on ``device`` (CUDA, where Triton
+    builds its launchers)."""
+    return device.type == "cuda" and triton_build_problem() is None
+
+
+def _searched(
+    positions: torch.Tensor, host_cells: np.ndarray, cutoff: float, reach: list[int], capacity: int, into
+) -> Pairs:
+    """:func:`build_pairs` of B periodic structures of n atoms (``positions`` [B, n, 3]) by
+    :mod:`ase_tcfp32._kernels.pairs`, images up to ``reach`` cells each way, written into
+    ``into`` where they fit."""
+    from ._kernels.pairs import count_pairs, write_pairs
+
+    count, state = count_pairs(positions, host_cells, cutoff, reach)
+    first = state[5]
+    if into is None or count > into.valid.numel():
+        if count > capacity or capacity == 0:
+            capacity = round_up(int(1.1 * count) + 64, 1024)
+        device, index = positions.device, torch.int64
+        into = Pairs(
+            *(torch.empty(capacity, dtype=index, device=device) for _ in range(2)),
+            torch.empty(capacity, 3, dtype=index, device=device),
+            torch.empty(capacity, 3, dtype=torch.float64, device=device),
+            *(torch.empty(capacity, dtype=index, device=device) for _ in range(2)),
+            torch.empty(capacity, dtype=torch.bool, device=device),
+            first,
+            count,
+        )
+    else:
+        into.first.copy_(first)
+    write_pairs(state, into[:7], VIRIAL_BINS)
+    return into._replace(count=count)
 
 
 def missing_pairs(pairs: Pairs, batch: Structures, cutoff: float) -> int:
@@ -325,8 +381,11 @@ class VerletList:
         they did."""
         positions = torch.from_numpy(batch.positions).to(self._search_device, torch.float64)
         capacity = self.pairs.valid.numel() if self.pairs is not None else 0
+        into = self.pairs if in_place else None
         try:
-            pairs = build_pairs(positions, batch.cells, batch.pbcs, batch.sizes, self.cutoff + self.skin, capacity)
+            pairs = build_pairs(
+                positions, batch.cells, batch.pbcs, batch.sizes, self.cutoff + self.skin, capacity, into
+            )
         except NeighborListError as error:
             if self._search_device.type == "cpu":
                 raise
@@ -336,15 +395,11 @@ class VerletList:
             )
             self._search_device = torch.device("cpu")
             return self.update(batch, in_place)
-        pairs = pairs._replace(offsets=pairs.offsets.to(self.dtype))
-        pairs = Pairs(*(t.to(self.device) if isinstance(t, torch.Tensor) else t for t in pairs))
-        reused = in_place and self.pairs is not None and self.pairs.valid.numel() == pairs.valid.numel()
-        if reused:
-            for static, new in zip(self.pairs[:-1], pairs[:-1]):
-                static.copy_(new)
-            self.pairs = self.pairs._replace(count=pairs.count)
-        else:
-            self.pairs = pairs
+        reused = into is not None and pairs.valid is into.valid
+        if not reused:
+            pairs = pairs._replace(offsets=pairs.offsets.to(self.dtype))
+            pairs = Pairs(*(t.to(self.device) if isinstance(t, torch.Tensor) else t for t in pairs))
+        self.pairs = pairs
         self._reference = (batch.positions.copy(), batch.cells.copy())
         self.rebuilds += 1
         return reused

@@ -412,9 +412,11 @@ def test_a_batch_of_32_copies_gives_what_32_single_calls_give(water192):
 
 
 @pytest.mark.gpu
-def test_the_gpus_pair_list_of_a_batch_is_vesins(water192, pt_bulk):
-    """On the GPU small periodic cells get their pairs from lean.all_pairs, on the CPU from
-    vesin: the same pairs, shifts, offsets and structures of pairs for a batch of
+@pytest.mark.parametrize("batch_of", ["beads", "mixed"])
+def test_the_gpus_pair_list_of_a_batch_is_vesins(water192, pt_bulk, batch_of):
+    """On the GPU small periodic cells get their pairs from our search kernels (beads of one
+    box, :mod:`ase_tcfp32._kernels.pairs`) or lean.all_pairs (a batch with others), on the
+    CPU from vesin: the same pairs, reverses, shifts, offsets and structures of pairs for
     beads, a triclinic cell, a cell whose atoms see their own images and a molecule."""
     from ase.build import molecule
     from helpers import beads_of
@@ -423,16 +425,17 @@ def test_the_gpus_pair_list_of_a_batch_is_vesins(water192, pt_bulk):
 
     triclinic = water192.copy()
     triclinic.set_cell(water192.cell.array + [[0, 0, 0], [3.0, 0, 0], [1.0, 2.0, 0]], scale_atoms=False)
-    structures = [*beads_of(water192, 8), triclinic, pt_bulk, molecule("CH3CH2OH")]
+    structures = beads_of(water192, 8)
+    if batch_of == "mixed":
+        structures += [triclinic, pt_bulk, molecule("CH3CH2OH")]
     batch = Structures.of(structures)
     lists = []
     for device in ("cpu", "cuda"):
         positions = torch.tensor(batch.positions, dtype=torch.float64, device=device)
         pairs = build_pairs(positions, batch.cells, batch.pbcs, batch.sizes, 10.0, 0)
         structure = pairs.bins // VIRIAL_BINS
-        key = torch.cat([pairs.centers[:, None], pairs.neighbors[:, None], pairs.shifts, structure[:, None]], 1)[
-            : pairs.count
-        ]
+        key = torch.cat([pairs.centers[:, None], pairs.neighbors[:, None], pairs.shifts, structure[:, None]], 1)
+        key = torch.cat([key, key[pairs.reverse, :2]], 1)[: pairs.count]
         order = torch.from_numpy(np.lexsort(key.cpu().numpy().T[::-1]))
         lists.append([key.cpu()[order], pairs.offsets.cpu()[: pairs.count][order], pairs.first.cpu()])
     assert torch.equal(lists[0][0], lists[1][0]) and torch.equal(lists[0][2], lists[1][2])

@@ -466,3 +466,69 @@ def test_adaptive_cutoff_kernel_in_the_triton_interpreter():
     (the counts summed per atom in the segment kernels); called eagerly, it does not import
     ``torch._dynamo``."""
     interpret(CUTOFFS_SCRIPT, "interpreter cutoffs ok")
+
+
+PAIRS_SCRIPT = textwrap.dedent(
+    """
+    import ase.build
+    import numpy as np
+    import torch
+    from ase_tcfp32._neighbors import VIRIAL_BINS, Structures, _searched, build_pairs, images_needed
+    from ase_tcfp32.validation import water_box
+
+    def listed(pairs):  # each real pair with its reverse's key, offsets and structure, in a canonical order
+        keys = torch.cat([pairs.centers[:, None], pairs.neighbors[:, None], pairs.shifts], 1)
+        rows = torch.cat([keys, keys[pairs.reverse], pairs.offsets.double(), (pairs.bins // VIRIAL_BINS)[:, None]], 1)
+        return sorted(map(tuple, rows[: pairs.count].tolist()))
+
+    def padding(pairs):
+        return [t[pairs.count :] for t in (pairs.centers, pairs.neighbors, pairs.shifts, pairs.bins, pairs.reverse)]
+
+    rng = np.random.default_rng(0)
+    water = water_box(8, seed=1)
+    water.positions += [7.3, -13.0, 30.0]  # outside the cell
+    triclinic = water_box(8, seed=3)
+    triclinic.set_cell(triclinic.cell.array + [[0, 0, 0], [2.5, 0, 0], [1.0, 1.5, 0]], scale_atoms=False)
+    pt = ase.build.bulk("Pt", "fcc", a=3.92, cubic=True)  # a 3.9 A cell: images up to 3 cells away
+    for atoms, cutoff in [(water, 7.5), (triclinic, 6.0), (pt, 10.0)]:
+        beads = []
+        for _ in range(2):
+            bead = atoms.copy()
+            bead.positions += rng.normal(scale=0.1, size=bead.positions.shape)
+            beads.append(bead)
+        batch = Structures.of(beads)
+        positions = torch.tensor(batch.positions)
+        theirs = build_pairs(positions, batch.cells, batch.pbcs, batch.sizes, cutoff, 0)  # vesin's, on the CPU
+        reach = images_needed(batch.cells[0], cutoff)
+        ours = _searched(positions.view(2, len(atoms), 3), batch.cells, cutoff, reach, 0, None)
+        assert ours.count == theirs.count and ours.valid.numel() == theirs.valid.numel()
+        assert torch.equal(ours.first, theirs.first) and torch.equal(ours.centers, theirs.centers)
+        assert torch.equal(ours.valid, theirs.valid) and listed(ours) == listed(theirs)
+        assert all(torch.equal(a, b) for a, b in zip(padding(ours), padding(theirs)))
+        # into an earlier list's larger buffers (offsets in float32): written there, padded
+        room = theirs.valid.numel() + 1024
+        earlier = _searched(positions.view(2, len(atoms), 3), batch.cells, cutoff, reach, room, None)
+        earlier = earlier._replace(offsets=earlier.offsets.float())
+        fewer = build_pairs(positions, batch.cells, batch.pbcs, batch.sizes, cutoff - 1.0, 0)
+        again = _searched(positions.view(2, len(atoms), 3), batch.cells, cutoff - 1.0, reach, room, earlier)
+        assert again.valid is earlier.valid and again.count == fewer.count and again.offsets.dtype == torch.float32
+        assert torch.equal(again.first, fewer.first) and int(again.valid.sum()) == fewer.count
+        assert [row[:10] for row in listed(again)] == [row[:10] for row in listed(fewer)]
+        assert torch.equal(again.reverse[again.count :], torch.arange(again.count, room))
+        # more pairs than an earlier list's buffers hold: new tensors, 10% more room
+        small = _searched(positions.view(2, len(atoms), 3), batch.cells, cutoff - 1.5, reach, 0, None)
+        grown = _searched(positions.view(2, len(atoms), 3), batch.cells, cutoff, reach, small.valid.numel(), small)
+        assert grown.valid is not small.valid and grown.count == theirs.count
+        assert grown.valid.numel() >= 1.1 * grown.count and listed(grown) == listed(theirs)
+    print("interpreter pairs ok")
+    """
+)
+
+
+def test_pair_search_kernels_in_the_triton_interpreter():
+    """The GPU's search of small periodic cells of one size (:mod:`ase_tcfp32._kernels.pairs`)
+    gives vesin's list: the same pairs, shifts, offsets, reverses, structures, order by
+    center and padding, for beads of a box whose atoms lie outside it, of a triclinic cell,
+    and of a 3.9 Å cell whose atoms see their own images 3 cells away; written into an
+    earlier list's larger buffers where it fits (float32 offsets), into new ones where not."""
+    interpret(PAIRS_SCRIPT, "interpreter pairs ok")
