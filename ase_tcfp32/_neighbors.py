@@ -1,8 +1,9 @@
 """Neighbor lists on the model's device: the candidate pairs of a batch of structures.
 
 - :func:`build_pairs` finds the pairs within a distance (vesin; on a GPU, small periodic
-  cells of one size through :func:`all_pairs`), sorted by center atom, each with its
-  reverse pair, padded to a fixed capacity;
+  cells of one size through :mod:`ase_tcfp32._kernels.pairs`, or :func:`all_pairs` in a
+  batch with others), sorted by center atom, each with its reverse pair, padded to a fixed
+  capacity;
 - :class:`VerletList` keeps them while no atom has moved more than half the skin;
 - :func:`pair_vectors` turns positions into the pairs' vectors with a backward pass that is
   one gather and one segment sum (:class:`PairTerms`, :func:`segment_sum`).
