@@ -207,8 +207,7 @@ class LeanPET:
     # ----- one evaluation on tensors ----------------------------------------------------
 
     def _kept_pairs(self, vectors: torch.Tensor, n: int) -> Kept:
-        """Which of the current pairs PET keeps (its adaptive cutoffs) and their cutoff
-        factors, for the pairs' ``vectors`` [capacity, 3] of N = ``n`` atoms."""
+        """Pairs PET keeps (adaptive cutoffs), their cutoff factors, for their ``vectors`` [capacity, 3], N = ``n``."""
         backend, pairs = self.backend, self.pairs
         vectors = torch.where(pairs.valid[:, None], vectors, self._far)
         distances = torch.norm(vectors, dim=-1) + 1e-15
@@ -327,22 +326,14 @@ class LeanPET:
     # ----- the engine interface -----------------------------------------------------------
 
     def compute(self, structures: list[Atoms], properties, weights: list | None = None) -> list[dict]:
-        """Per structure, as float64 numpy arrays: ``energy`` (eV) and ``energies`` [n]
-        (eV) always; ``forces`` [n, 3] (eV/Å) when ``"forces"`` or ``"stress"`` is asked (one
-        backward pass; none for an energy-only call); ``stress`` [3, 3] (eV/Å³, ASE sign)
-        of each 3D-periodic structure when ``"stress"`` is asked; the direct heads'
-        ``non_conservative_forces`` [n, 3] and, for 3D-periodic structures,
-        ``non_conservative_stress`` [3, 3] when asked; the LLPR outputs when asked
-        (:data:`ase_tcfp32._uncertainty.LLPR_OUTPUTS`); with ``weights`` ([n] per structure)
-        ``energy``, forces and stress are those of the per-atom energies' weighted sum. One
-        batched evaluation (same-size copies, like path-integral beads, are the fast case)."""
-        grad = "forces" in properties or "stress" in properties
-        stress = "stress" in properties and any(atoms.pbc.all() for atoms in structures)
-        named = ((FORCE, "non_conservative_forces"), (STRESS, "non_conservative_stress"))
-        direct = tuple(quantity for quantity, name in named if name in properties or f"{name}_ensemble" in properties)
-        llpr = self.uncertainty.check(name for name in LLPR_OUTPUTS if name in properties)
-        grad = grad or "energy_ensemble" in llpr
-        flags = {"grad": grad, "stress": stress, "direct": direct, "llpr": llpr}
+        """Per structure, as float64 numpy arrays: ``energy`` (eV) and ``energies`` [n] (eV) always; ``forces``
+        [n, 3] (eV/Å) when ``"forces"`` or ``"stress"`` is asked (one backward pass; none for an energy-only call);
+        ``stress`` [3, 3] (eV/Å³, ASE sign) of each 3D-periodic structure when ``"stress"`` is asked; the direct
+        heads' ``non_conservative_forces`` [n, 3] and, for 3D-periodic structures, ``non_conservative_stress``
+        [3, 3] when asked; the LLPR outputs when asked (:data:`ase_tcfp32._uncertainty.LLPR_OUTPUTS`); with
+        ``weights`` ([n] per structure) ``energy``, forces and stress are those of the per-atom energies'
+        weighted sum. One batched evaluation (same-size copies, like path-integral beads, are the fast case)."""
+        flags = self.flags(structures, properties)
         batch = Structures.of(structures)
         self._use(batch)
         positions = torch.from_numpy(batch.positions).to(self.device, self.dtype)
@@ -372,9 +363,18 @@ class LeanPET:
             host.pop("sizes")
         return per_structure(host, structures)
 
+    def flags(self, structures: list[Atoms], properties) -> dict:
+        """:meth:`_step`'s keyword arguments for :meth:`compute`'s ``properties`` of ``structures``."""
+        stress = "stress" in properties and any(atoms.pbc.all() for atoms in structures)
+        named = ((FORCE, "non_conservative_forces"), (STRESS, "non_conservative_stress"))
+        direct = tuple(quantity for quantity, name in named if name in properties or f"{name}_ensemble" in properties)
+        llpr = self.uncertainty.check(name for name in LLPR_OUTPUTS if name in properties)
+        grad = "forces" in properties or "stress" in properties or "energy_ensemble" in llpr
+        return {"grad": grad, "stress": stress, "direct": direct, "llpr": llpr}
+
     def neighbor_counts(self, structures: list[Atoms]) -> torch.Tensor:
-        """The neighbors [N] that PET keeps for each atom of ``structures`` (within its
-        adaptive cutoffs): the lengths of its attention sequences, less the center token."""
+        """The neighbors [N] that PET keeps for each atom of ``structures`` (within its adaptive cutoffs): the
+        lengths of its attention sequences, less the center token."""
         batch = Structures.of(structures)
         self._use(batch)
         positions = torch.from_numpy(batch.positions).to(self.device, self.dtype)

@@ -390,13 +390,20 @@ class TCPETCalculator(LLPRMethods, Calculator):
                     result[name] = _uncertainty.voigt(result[name])
         return results
 
-    def _checked(self, structures: list[Atoms], properties) -> list[dict]:
+    def _watching(self) -> bool:
+        """Whether every evaluation reads the energy uncertainty for ``uncertainty_threshold``."""
+        return self._llpr is not None and self.uncertainty_threshold is not None
+
+    def _checked(self, structures: list[Atoms], properties, computed: list[dict] | None = None) -> list[dict]:
         """``properties`` of ``structures`` (rotationally averaged where asked), each
         structure's per-atom energy uncertainty checked against ``uncertainty_threshold``, read
-        in the same forward pass (averaged: each atom's largest over the rotated copies)."""
-        watch = self._llpr is not None and self.uncertainty_threshold is not None
+        in the same forward pass (averaged: each atom's largest over the rotated copies).
+        ``computed``: the engine's results for them already (:meth:`_adopt`)."""
+        watch = self._watching()
         asked = (*properties, "energy_uncertainty") if watch else properties
-        if self.rotational_average_order:
+        if computed is not None:
+            results = self._converted(computed, asked)
+        elif self.rotational_average_order:
             results = [self._averaged(atoms, asked) for atoms in structures]
         else:
             results = self._compute(structures, asked)
@@ -440,6 +447,10 @@ class TCPETCalculator(LLPRMethods, Calculator):
             results = self._engine.compute(structures, wanted)
         if self.check_consistency:
             _consistency.check(self._engine, structures, results)
+        return self._converted(results, properties)
+
+    def _converted(self, results: list[dict], properties) -> list[dict]:
+        """The engine's ``results`` for ``properties`` in ASE's conventions (:meth:`_compute`)."""
         for result in results:
             for name, direct, used in (
                 ("forces", DIRECT[0], self._direct_forces),
@@ -508,6 +519,23 @@ class TCPETCalculator(LLPRMethods, Calculator):
             self.check_atoms(atoms, list(properties))
         super().calculate(atoms, properties, system_changes)
         self.results = self._checked([self.atoms], properties)[0]
+
+    def _asked_of_engine(self, atoms: Atoms, properties) -> set[str]:
+        """What the engine computes when :meth:`calculate` is asked for ``properties`` of
+        ``atoms`` (the energy uncertainty included where ``uncertainty_threshold`` reads it):
+        what :meth:`_adopt` takes, as multiple time stepping's outer steps on the device
+        compute it."""
+        asked = (*properties, "energy_uncertainty") if self._watching() else properties
+        return self._engine_properties(asked, bool(atoms.pbc.all()))
+
+    def _adopt(self, atoms: Atoms, properties, computed: dict) -> None:
+        """The results of :meth:`calculate` for ``properties`` of ``atoms`` from the engine's
+        results ``computed`` (of :meth:`_asked_of_engine`, for these atoms: one structure's
+        dict as the engine's ``compute`` gives it), without an evaluation: the uncertainty
+        checked, the results and atoms kept for ASE's ``get_*`` calls as after
+        :meth:`calculate`."""
+        super().calculate(atoms, properties, all_changes)
+        self.results = self._checked([self.atoms], properties, [computed])[0]
 
 
 def _changes(old: Atoms, new: Atoms, tol: float, names: set[str]) -> list[str]:

@@ -21,9 +21,10 @@ drift-thermostat-drift (:class:`MTSLangevin`). The forces after the last inner m
 one evaluation of both kinds (:meth:`TCPETCalculator.evaluate` with ``"forces"`` and
 ``"non_conservative_forces"``: one forward pass, one backward pass), so an outer step costs
 ``M - 1`` direct-only evaluations (forward passes) and one of both. With ``M = 1`` this is
-velocity Verlet with the conservative forces. The ``M`` inner steps run on the model's device where
-the calculator allows it (:mod:`ase_tcfp32._inner_steps`: the host waits once per outer
-step), else through ASE, one calculator call each.
+velocity Verlet with the conservative forces. The ``M`` inner steps and that evaluation run on
+the model's device where the calculator allows it (:mod:`ase_tcfp32._inner_steps`: the host
+waits once per outer step, and the calculator keeps the evaluation's results as if it had
+made it), else through ASE, one calculator call each.
 
 Conventions (ASE's): ``timestep`` is the inner step ``δt`` in ASE time units; one
 :meth:`step` (and one unit of ``run(steps)``, of ``loginterval``, of a trajectory's
@@ -160,28 +161,42 @@ class _RESPA(MolecularDynamics):
         """Positions (and momenta, returned) moved over one inner step ``δt``."""
         raise NotImplementedError
 
-    def _on_device(self, p: np.ndarray, direct: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """The positions and momenta after the inner steps, run on the model's device
-        (:mod:`ase_tcfp32._inner_steps`), or None where they run through ASE: with
+    def _on_device(self, p: np.ndarray, direct: np.ndarray) -> bool:
+        """Whether the inner steps and the outer evaluation at their end ran on the model's
+        device (:mod:`ase_tcfp32._inner_steps`): then the atoms hold the new positions and
+        momenta and the calculator the outer evaluation's results. Not with
         ``device_inner_steps=False``, constraints, rotational averaging, the consistency
         checks, an engine that cannot, or an evaluation that could not be trusted."""
-        calc = self._calculator()
-        if not self.device_inner_steps or self.atoms.constraints or calc.rotational_average_order:
-            return None
+        calc, atoms = self._calculator(), self.atoms
+        if not self.device_inner_steps or atoms.constraints or calc.rotational_average_order:
+            return False
         if calc.check_consistency or not isinstance(calc._engine, LeanPET):
-            return None
-        with calc._evaluating(len(self.atoms)):
-            forces_of = _inner_steps.direct_forces_on_device(calc._engine, [self.atoms])
-            if forces_of is None:
-                return None
+            return False
+        outer = calc._asked_of_engine(atoms, BOTH)
+        with calc._evaluating(len(atoms)):
+            evaluations = _inner_steps.evaluations_on_device(calc._engine, [atoms], outer)
+            if evaluations is None:
+                return False
             masses = torch.tensor(self.masses, dtype=torch.float64, device=calc.device)
             move = functools.partial(self._device_move, masses=masses, **self._device_terms(calc.device))
-            positions = self.atoms.get_positions()
             moved = _inner_steps.run(
-                forces_of, p, positions, direct, self.inner_dt, self.inner_steps, move, calc.device
+                evaluations,
+                [atoms],
+                p,
+                atoms.get_positions(),
+                direct,
+                self.inner_dt,
+                self.inner_steps,
+                move,
+                calc.device,
             )
         self.redone_steps += moved is None
-        return moved
+        if moved is None:
+            return False
+        atoms.set_positions(moved[0])
+        atoms.set_momenta(moved[1], apply_constraint=False)
+        calc._adopt(atoms, BOTH, moved[2])
+        return True
 
     def _device_terms(self, device: torch.device) -> dict:
         """What :meth:`_device_move` needs beside the masses for an outer step's inner moves,
@@ -198,10 +213,7 @@ class _RESPA(MolecularDynamics):
         conservative, direct = self.outer_forces()
         p = atoms.get_momenta() + 0.5 * steps * dt * (conservative - direct)
         moved = self._on_device(p, direct)
-        if moved is not None:
-            atoms.set_positions(moved[0])
-            atoms.set_momenta(moved[1], apply_constraint=False)
-        for inner in range(steps if moved is None else 0):
+        for inner in range(0 if moved else steps):
             p = p + 0.5 * dt * direct
             p = self._move(p)
             atoms.set_momenta(p, apply_constraint=False)  # atoms may migrate with their momenta (as in ASE)
@@ -226,12 +238,13 @@ class MTSVelocityVerlet(_RESPA):
         head; checked here, before any step.
     :param timestep: the inner time step ``δt`` (ASE time units: ``0.5 * ase.units.fs``).
     :param inner_steps: ``M``, inner steps per outer step; one :meth:`step` advances ``M·δt``.
-    :param device_inner_steps: run the inner steps on the model's device, without ASE and
-        the host in between (:mod:`ase_tcfp32._inner_steps`: the same trajectory to
-        rounding), wherever the calculator allows it (its default lean engines, no
-        rotational averaging, no constraints on the atoms); False: through ASE, one
-        calculator call per inner step. ``uncertainty_threshold`` is checked on every
-        outer step either way, and on every inner step through ASE.
+    :param device_inner_steps: run the inner steps and the outer evaluation at their end on
+        the model's device, without ASE and the host in between
+        (:mod:`ase_tcfp32._inner_steps`: the same trajectory to rounding), wherever the
+        calculator allows it (its default lean engines, no rotational averaging, no
+        constraints on the atoms); False: through ASE, one calculator call per inner step.
+        ``uncertainty_threshold`` is checked on every outer step either way, and on every
+        inner step through ASE.
     :param energy_drift_warning: eV per atom: warn, once, when the total energy (conservative
         potential plus kinetic) has moved by more than this since the first step
         (:data:`ENERGY_DRIFT_WARNING`); None: never. After changing the energy on purpose

@@ -237,11 +237,12 @@ def seeded_dynamics(atoms, integrator: str, inner_steps: int, on_device: bool):
 
 @pytest.mark.parametrize("integrator", ["verlet", "langevin"])
 def test_inner_steps_on_the_device_follow_the_ase_path(pet, water, integrator):
-    """The inner steps run on the model's device (the default) give the trajectory of the
-    same steps through ASE, one calculator call each: the same arithmetic in the same
-    order on the same forces (bound: 1e-9 Å and amu·Å/fs, far below the FP32 rounding of
-    the forces that a different order would show), with the same evaluations counted (a 2 Å
-    skin: no neighbor list expires in these 10 fs)."""
+    """The inner steps and the outer evaluations run on the model's device (the default)
+    give the trajectory of the same steps through ASE, one calculator call each: the same
+    arithmetic in the same order on the same forces (bound: 1e-9 Å and amu·Å/fs, far below
+    the FP32 rounding of the forces that a different order would show), with the same
+    evaluations counted (a 2 Å skin: no neighbor list expires in these 10 fs), and the
+    calculator holds the same results at the end (what ASE's ``get_*`` calls read)."""
     runs = []
     for on_device in (True, False):
         atoms = with_calculator(water, calculator(pet, neighbor_skin=2.0))
@@ -254,6 +255,10 @@ def test_inner_steps_on_the_device_follow_the_ase_path(pet, water, integrator):
     assert np.abs(device.positions - host.positions).max() < 1e-9
     assert np.abs(device.get_momenta() - host.get_momenta()).max() < 1e-9 * units.fs
     assert np.abs(device.positions - water.positions).max() > 1e-3  # they moved
+    assert sorted(device.calc.results) == sorted(host.calc.results)
+    for name, value in host.calc.results.items():
+        assert np.allclose(device.calc.results[name], value, rtol=0, atol=1e-9), name
+    assert not device.calc.check_state(device)  # the results are the atoms' own: no evaluation more
 
 
 def test_inner_steps_on_the_device_read_the_direct_force_head_alone(pet, water, monkeypatch):
