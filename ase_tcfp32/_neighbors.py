@@ -145,15 +145,21 @@ def build_pairs(
     reads them; the offsets in its float type) and it is returned with the new count;
     otherwise the pairs are new tensors, the offsets float64."""
     device, n = positions.device, len(positions)
-    cells, starts = torch.from_numpy(host_cells).to(device, torch.float64), np.cumsum([0, *sizes[:-1]])
-    found, groups = [], {}
-    for k, (start, size, pbc, cell) in enumerate(zip(starts, sizes, pbcs, host_cells)):
+    starts, alone, groups = np.cumsum([0, *sizes[:-1]]), [], {}
+    for k, (size, pbc, cell) in enumerate(zip(sizes, pbcs, host_cells)):
         if positions.is_cuda and pbc.all() and abs(np.linalg.det(cell)) > 1e-6:
             reach = images_needed(cell, cutoff)
             if size**2 * np.prod([2 * r + 1 for r in reach]) <= ALL_PAIRS_LIMIT:
                 groups.setdefault((size, *reach), []).append(k)
                 continue
-        i, j, s = _vesin_pairs(positions[start : start + size], cells[k], pbc, cutoff)
+        alone.append(k)  # vesin's
+    if not alone and len(groups) == 1 and _kernel_searches(device):
+        ((size, *reach),) = groups
+        return _searched(positions.view(-1, size, 3), host_cells, cutoff, reach, capacity, into)
+    cells, found = torch.from_numpy(host_cells).to(device, torch.float64), []
+    for k in alone:
+        start, size = starts[k], sizes[k]
+        i, j, s = _vesin_pairs(positions[start : start + size], cells[k], pbcs[k], cutoff)
         found.append(
             (
                 torch.full((len(i),), k, device=device),
@@ -161,9 +167,6 @@ def build_pairs(
                 s.to(device, torch.int64),
             )
         )
-    if not found and len(groups) == 1 and _kernel_searches(device):
-        ((size, *reach),) = groups
-        return _searched(positions.view(-1, size, 3), host_cells, cutoff, reach, capacity, into)
     for (size, *reach), members in groups.items():
         atoms = torch.from_numpy(starts[members][:, None] + np.arange(size)).to(device)  # [B, size] batch indices
         b, i, j, s = all_pairs(positions[atoms], host_cells[members], cutoff, reach)
@@ -189,8 +192,7 @@ def build_pairs(
         raise ValueError("the neighbor list is not symmetric: a pair i -> j has no j -> i")
     reverse = by_key[found]
 
-    if count > capacity or capacity == 0:
-        capacity = round_up(int(1.1 * count) + 64, 1024)
+    capacity = _room(count, capacity)
     pad = capacity - count
     per_atom = torch.bincount(i, minlength=n)
     pairs = Pairs(
@@ -212,6 +214,12 @@ def build_pairs(
     return into._replace(count=count)
 
 
+def _room(count: int, capacity: int) -> int:
+    """The capacity for ``count`` pairs: ``capacity`` where it is set (> 0) and they fit, else 10% more than
+    ``count``, in multiples of 1024 (so that the next lists fit too)."""
+    return capacity if 0 < capacity and count <= capacity else round_up(int(1.1 * count) + 64, 1024)
+
+
 def _kernel_searches(device: torch.device) -> bool:
     """Whether :mod:`ase_tcfp32._kernels.pairs` can search on ``device`` (CUDA, where Triton
     builds its launchers)."""
@@ -226,12 +234,9 @@ def _searched(
     ``into`` where they fit."""
     from ._kernels.pairs import count_pairs, write_pairs
 
-    count, state = count_pairs(positions, host_cells, cutoff, reach)
-    first = state[5]
+    count, first, state = count_pairs(positions, host_cells, cutoff, reach)
     if into is None or count > into.valid.numel():
-        if count > capacity or capacity == 0:
-            capacity = round_up(int(1.1 * count) + 64, 1024)
-        device, index = positions.device, torch.int64
+        capacity, device, index = _room(count, capacity), positions.device, torch.int64
         into = Pairs(
             *(torch.empty(capacity, dtype=index, device=device) for _ in range(2)),
             torch.empty(capacity, 3, dtype=index, device=device),

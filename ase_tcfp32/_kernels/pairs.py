@@ -203,10 +203,11 @@ def count_pairs(positions: torch.Tensor, cells: np.ndarray, cutoff: float, reach
     on CUDA or under Triton's interpreter; ``cells`` [B, 3, 3] on the host, rows the cell
     vectors), pairs closer than ``cutoff`` (Å) among images up to ``reach`` cells each way.
 
-    :return: the pair count (the one wait for the device) and the state that :func:`write_pairs`
+    :return: the pair count (the one wait for the device), ``first`` [B n + 1] (atom a's
+        pairs are ``first[a] .. first[a + 1] - 1``) and the state that :func:`write_pairs`
         takes: the wrapped positions, whole cells, cells and inverses, C and P [B n, n]
-        (int32: at most n x images each), ``first`` [B n + 1] (atom a's pairs are ``first[a]
-        .. first[a + 1] - 1``), the cutoff squared, the reach and the count of images.
+        (int32: at most n x images each), ``first``, the cutoff squared, the reach and the
+        count of images.
     """
     count, n = positions.shape[:2]
     device, atoms = positions.device, count * n
@@ -224,7 +225,7 @@ def count_pairs(positions: torch.Tensor, cells: np.ndarray, cutoff: float, reach
         _count_kernel[(atoms,)](wrapped, geometry, counts, before, totals, n, cutoff**2, *shape, num_warps=2)
     torch.cumsum(totals, 0, out=first[1:])
     state = (wrapped, whole, geometry, counts, before, first, n, cutoff**2, reach, images)
-    return int(first[-1]), state
+    return int(first[-1]), first, state
 
 
 def write_pairs(state: tuple, into: tuple, bins: int) -> None:
@@ -232,7 +233,7 @@ def write_pairs(state: tuple, into: tuple, bins: int) -> None:
     into ``into``: centers, neighbors [E] int64, shifts [E, 3] int64, offsets [E, 3]
     (S @ cell, Å, any float type), bins [E] int64 (pair k of structure b: ``b * bins + k %
     bins``), reverse [E] int64, valid [E] bool, E at least the pair count (the rest
-    padding: atom 0 to itself); ``first`` is the state's."""
+    padding: atom 0 to itself), ``first`` being :func:`count_pairs`' own."""
     wrapped, whole, geometry, counts, before, first, n, cutoff2, reach, images = state
     capacity, atoms = into[0].shape[0], wrapped.shape[0]
     grid = (atoms + triton.cdiv(capacity, BLOCK_PADDING),)
