@@ -29,7 +29,7 @@ from ase import Atoms
 
 from ._heads import FORCE
 from ._lean import LeanPET
-from ._neighbors import Structures
+from ._neighbors import Structures, uploaded
 from ._results import per_structure
 
 INNER_REACH = 0.25
@@ -64,7 +64,7 @@ def evaluations_on_device(engine: LeanPET, structures: list[Atoms], outer: set[s
     engine._use(batch, INNER_REACH)
     if engine.width == 0:
         return None
-    cells = torch.from_numpy(batch.cells).to(engine.device, engine.dtype)
+    cells = uploaded(batch.cells, engine.device, engine.dtype)
     reference = torch.from_numpy(engine.neighbors.reference).to(engine.device, torch.float64)
     reach, width, rows = (0.5 * engine.skin) ** 2, engine.width, engine.rows
     direct = {"grad": False, "stress": False, "direct": (FORCE,), "llpr": (), "energy": False}  # nothing else read

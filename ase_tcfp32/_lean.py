@@ -41,7 +41,7 @@ from ._graphs import Graph
 from ._heads import ENERGY, FORCE, LLPR, STRESS, Heads, direct_output, per_structure_sums, table_predictions
 from ._inputs import Kept, neighbor_table, packed_rows
 from ._kernels.context import cutoff_kernel_usable
-from ._neighbors import PairTerms, Structures, VerletList, pair_vectors, round_up, virials
+from ._neighbors import PairTerms, Structures, VerletList, pair_vectors, round_up, uploaded, virials
 from ._results import Flat, per_structure
 from ._uncertainty import LLPR_OUTPUTS, Uncertainty, features_for
 
@@ -336,8 +336,7 @@ class LeanPET:
         flags = self.flags(structures, properties)
         batch = Structures.of(structures)
         self._use(batch)
-        positions = torch.from_numpy(batch.positions).to(self.device, self.dtype)
-        cells = torch.from_numpy(batch.cells).to(self.device, self.dtype)
+        positions, cells = (uploaded(array, self.device, self.dtype) for array in (batch.positions, batch.cells))
         numbers, system = self.numbers, self.system
         weights = self.unweighted if weights is None else torch.from_numpy(np.concatenate(weights))
         weights = weights.to(self.device, torch.float64)  # the ones: as they are
@@ -377,7 +376,7 @@ class LeanPET:
         lengths of its attention sequences, less the center token."""
         batch = Structures.of(structures)
         self._use(batch)
-        positions = torch.from_numpy(batch.positions).to(self.device, self.dtype)
+        positions = uploaded(batch.positions, self.device, self.dtype)
         return self._kept_pairs(pair_vectors(positions, self.pairs).detach(), positions.shape[0]).counts
 
     def _evaluate(self, positions, cells, numbers, system, weights, flags: dict) -> Flat:

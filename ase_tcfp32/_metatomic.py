@@ -225,15 +225,15 @@ class MetatomicEngine:
         positions, strain)``, as metatomic-ase builds them for forces and stress."""
         from metatomic.torch import System
 
-        from ._neighbors import model_neighbor_lists
+        from ._neighbors import model_neighbor_lists, uploaded
 
         if self._neighbor_lists is None:
             self._neighbor_lists = model_neighbor_lists(self.model, self.skin)
         parameter = next(self.model.parameters())
         tensor = {"dtype": parameter.dtype, "device": parameter.device}
-        positions = torch.tensor(atoms.positions, **tensor, requires_grad=grad)
+        positions = uploaded(atoms.positions, parameter.device, parameter.dtype).requires_grad_(grad)
         strain = torch.eye(3, **tensor, requires_grad=stress)
-        cell = torch.tensor(atoms.cell.array * atoms.pbc[:, None], **tensor)
+        cell = uploaded(atoms.cell.array * atoms.pbc[:, None], parameter.device, parameter.dtype)
         types = torch.tensor(atoms.numbers, dtype=torch.int32, device=parameter.device)
         with torch.set_grad_enabled(grad or stress):
             system = System(types, positions @ strain, cell @ strain, torch.tensor(atoms.pbc, device=parameter.device))

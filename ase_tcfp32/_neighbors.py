@@ -317,6 +317,13 @@ def pair_vectors(positions: torch.Tensor, pairs: Pairs) -> torch.Tensor:
     return PairTerms.apply(positions, pairs.centers, pairs.neighbors, pairs.reverse, pairs.first, -1.0) + pairs.offsets
 
 
+def uploaded(array: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A copy of the host ``array`` on ``device`` in ``dtype``, rounded there: torch's
+    ``.to(device, dtype)`` rounds on the host first, with the host's threads (3 ms for 17,280
+    positions on an H100 machine's 16 cores, while the GPU waited)."""
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device, copy=True).to(dtype)
+
+
 class Structures(NamedTuple):
     """Structures one after another, as the host holds them."""
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 from ase import Atoms
-from ase.geometry import complete_cell
+from ase.geometry import wrap_positions
 from ase.stress import full_3x3_to_voigt_6_stress, voigt_6_to_full_3x3_stress
 
 LEBEDEV_ORDERS = (
@@ -87,39 +87,29 @@ def quadrature(order: int, inversion: bool = True) -> tuple[np.ndarray, np.ndarr
 def rotated(atoms: Atoms, rotations: np.ndarray) -> list[Atoms]:
     """Copies of ``atoms``, the k-th with positions (Å) and cell vectors rotated by
     ``rotations[k]`` (``r -> R r``) and, when it has a cell, atoms wrapped back into it (as
-    metatomic-ase's ``_rotate_atoms``, which calls ASE's ``wrap``: the same arithmetic,
-    here for all the copies at once).
+    metatomic-ase's ``_rotate_atoms``, which calls ASE's ``wrap`` on each copy). Rotating
+    the positions and the cell together leaves the fractional coordinates as they are, so
+    the structure is wrapped once, before the rotations.
 
     :param atoms: the structure.
     :param rotations: [B, 3, 3] orthogonal matrices.
     :return: B new :class:`~ase.Atoms` (no calculator attached).
     """
-    rotations = np.asarray(rotations, dtype=float)
-    positions = np.einsum("nj,bij->bni", atoms.positions, rotations)  # [B, n, 3]
+    turns = np.swapaxes(np.asarray(rotations, dtype=float), 1, 2)  # r R^T for row vectors r
     has_cell = atoms.cell is not None and atoms.cell.rank > 0
-    if has_cell:
-        cells = np.einsum("vj,bij->bvi", atoms.cell.array, rotations)  # each cell vector rotated
-        positions = _wrapped(positions, cells, atoms.pbc)
+    positions = atoms.positions
+    if has_cell and atoms.pbc.any():
+        positions = wrap_positions(positions, atoms.cell.array, atoms.pbc)
+    positions = positions @ turns  # [B, n, 3]
+    cells = atoms.cell.array @ turns  # [B, 3, 3]: each cell vector rotated
     copies = []
-    for k in range(len(rotations)):
+    for k in range(len(turns)):
         copy = atoms.copy()
         copy.positions = positions[k]
         if has_cell:
             copy.set_cell(cells[k], scale_atoms=False, apply_constraint=False)
         copies.append(copy)
     return copies
-
-
-def _wrapped(positions: np.ndarray, cells: np.ndarray, pbc: np.ndarray, eps: float = 1e-7) -> np.ndarray:
-    """ASE's ``wrap_positions`` (centre 0.5, its ``eps``) of positions [B, n, 3] (Å) in cells
-    [B, 3, 3] (rows the vectors) along the periodic directions ``pbc`` [3]."""
-    pbc = np.asarray(pbc, dtype=bool)
-    if not pbc.any():
-        return positions
-    cells = np.array([complete_cell(cell) for cell in cells])
-    fractional = positions @ np.linalg.inv(cells)
-    fractional[..., pbc] = (fractional[..., pbc] + eps) % 1.0 - eps
-    return fractional @ cells
 
 
 def average(results: Sequence[dict], rotations: np.ndarray, weights: np.ndarray, atoms: Atoms) -> dict:

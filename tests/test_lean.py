@@ -184,6 +184,22 @@ def test_results_come_to_the_host_with_their_shapes_and_values():
     assert int(host["sizes"][1]) == 2**40 + 1
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_host_arrays_go_to_the_device_as_copies_rounded_as_torch_rounds(device):
+    """Rounded on the device, as torch's ``.to(device, dtype)`` rounds them on the host."""
+    from ase_tcfp32._neighbors import uploaded
+
+    rng = np.random.default_rng(0)
+    positions = rng.normal(0, 10, (1000, 3)) * np.exp(rng.normal(0, 20, (1000, 1)))  # exponents far apart
+    for dtype in (torch.float32, torch.float64):
+        tensor = uploaded(positions, torch.device(device), dtype)
+        assert tensor.dtype == dtype and tensor.device.type == device
+        assert torch.equal(tensor.cpu(), torch.from_numpy(positions).to(dtype))
+        if device == "cpu":
+            assert not np.shares_memory(tensor.numpy(), positions)
+    assert uploaded(positions[:, ::2], torch.device(device), torch.float32).shape == (1000, 2)  # a strided view
+
+
 @pytest.mark.parametrize("engine", ["lean", "metatomic"])
 def test_a_batch_gives_what_single_calls_give(tiny_ckpt, water, engine):
     """32 beads in one call: per structure the energies, forces and stresses of 32 single
