@@ -319,8 +319,8 @@ def pair_vectors(positions: torch.Tensor, pairs: Pairs) -> torch.Tensor:
 
 def uploaded(array: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """A copy of the host ``array`` on ``device`` in ``dtype``, rounded there: torch's
-    ``.to(device, dtype)`` rounds on the host first, with the host's threads (3 ms for 17,280
-    positions on an H100 machine's 16 cores, while the GPU waited)."""
+    ``.to(device, dtype)`` rounds on the host first, host work between two calls while the
+    GPU waits (measured: docs/design.md, "Where the GPU waits for the host")."""
     return torch.from_numpy(np.ascontiguousarray(array)).to(device, copy=True).to(dtype)
 
 
