@@ -394,13 +394,16 @@ class TCPETCalculator(LLPRMethods, Calculator):
         """Whether every evaluation reads the energy uncertainty for ``uncertainty_threshold``."""
         return self._llpr is not None and self.uncertainty_threshold is not None
 
+    def _watched(self, properties) -> tuple:
+        """``properties`` plus the energy uncertainty where :meth:`_watching`."""
+        return (*properties, "energy_uncertainty") if self._watching() else tuple(properties)
+
     def _checked(self, structures: list[Atoms], properties, computed: list[dict] | None = None) -> list[dict]:
         """``properties`` of ``structures`` (rotationally averaged where asked), each
         structure's per-atom energy uncertainty checked against ``uncertainty_threshold``, read
         in the same forward pass (averaged: each atom's largest over the rotated copies).
         ``computed``: the engine's results for them already (:meth:`_adopt`)."""
-        watch = self._watching()
-        asked = (*properties, "energy_uncertainty") if watch else properties
+        watch, asked = self._watching(), self._watched(properties)
         if computed is not None:
             results = self._converted(computed, asked)
         elif self.rotational_average_order:
@@ -525,8 +528,7 @@ class TCPETCalculator(LLPRMethods, Calculator):
         ``atoms`` (the energy uncertainty included where ``uncertainty_threshold`` reads it):
         what :meth:`_adopt` takes, as multiple time stepping's outer steps on the device
         compute it."""
-        asked = (*properties, "energy_uncertainty") if self._watching() else properties
-        return self._engine_properties(asked, bool(atoms.pbc.all()))
+        return self._engine_properties(self._watched(properties), bool(atoms.pbc.all()))
 
     def _adopt(self, atoms: Atoms, properties, computed: dict) -> None:
         """The results of :meth:`calculate` for ``properties`` of ``atoms`` from the engine's
