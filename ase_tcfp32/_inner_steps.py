@@ -50,6 +50,7 @@ class Evaluations(NamedTuple):
 
     direct: Callable  # positions -> (the direct forces [N, 3], eV/Å, float64; flag)
     outer: Callable  # positions -> (the outer evaluation's results, a Flat; flag)
+    structures: list[Atoms]  # the structures evaluated (for their cells and sizes)
 
 
 def evaluations_on_device(engine: LeanPET, structures: list[Atoms], outer: set[str]) -> Evaluations | None:
@@ -82,12 +83,11 @@ def evaluations_on_device(engine: LeanPET, structures: list[Atoms], outer: set[s
         flat, untrusted = evaluated(positions, direct)
         return flat.tensor("non_conservative_forces"), untrusted
 
-    return Evaluations(forces, functools.partial(evaluated, flags=both))
+    return Evaluations(forces, functools.partial(evaluated, flags=both), structures)
 
 
 def run(
     evaluations: Evaluations,
-    structures: list[Atoms],
     momenta: np.ndarray,
     positions: np.ndarray,
     direct: np.ndarray,
@@ -101,8 +101,8 @@ def run(
     ``positions`` (Å) and the ``direct`` forces there (eV/Å): each step a half kick of the
     direct forces, the ``move``, and, except after the last, the direct forces at the new
     positions and their half kick; then the outer evaluation at the final positions, as
-    the engine's ``compute`` gives it for ``structures`` (the atoms, for their cells). None
-    where an evaluation could not be trusted (module doc)."""
+    the engine's ``compute`` gives it for the evaluations' (one) structure. None where an
+    evaluation could not be trusted (module doc)."""
     p, x, f = (torch.tensor(array, dtype=torch.float64, device=device) for array in (momenta, positions, direct))
     untrusted = torch.zeros((), dtype=torch.bool, device=device)
     for k in range(steps):
@@ -117,4 +117,4 @@ def run(
         return None
     host = outer.to_host()
     host.pop("sizes")
-    return x.cpu().numpy(), p.cpu().numpy(), per_structure(host, structures)[0]
+    return x.cpu().numpy(), p.cpu().numpy(), per_structure(host, evaluations.structures)[0]

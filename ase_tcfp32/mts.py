@@ -181,7 +181,6 @@ class _RESPA(MolecularDynamics):
             move = functools.partial(self._device_move, masses=masses, **self._device_terms(calc.device))
             moved = _inner_steps.run(
                 evaluations,
-                [atoms],
                 p,
                 atoms.get_positions(),
                 direct,
