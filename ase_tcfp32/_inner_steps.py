@@ -50,7 +50,7 @@ class Evaluations(NamedTuple):
 
     direct: Callable  # positions -> (the direct forces [N, 3], eV/Å, float64; flag)
     outer: Callable  # positions -> (the outer evaluation's results, a Flat; flag)
-    structures: list[Atoms]  # the structures evaluated (for their cells and sizes)
+    structures: list[Atoms]  # the structures evaluated (the outer results are split into theirs)
 
 
 def evaluations_on_device(engine: LeanPET, structures: list[Atoms], outer: set[str]) -> Evaluations | None:
