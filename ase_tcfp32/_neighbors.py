@@ -321,7 +321,9 @@ def uploaded(array: np.ndarray, device: torch.device, dtype: torch.dtype) -> tor
     """A copy of the host ``array`` on ``device`` in ``dtype``, rounded there: torch's
     ``.to(device, dtype)`` rounds on the host first, host work between two calls while the
     GPU waits (measured: docs/design.md, "Where the GPU waits for the host")."""
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device, copy=True).to(dtype)
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    there = host.to(device)  # the host array itself when ``device`` is the CPU
+    return there.to(dtype, copy=there is host)  # one copy in every case
 
 
 class Structures(NamedTuple):
