@@ -7,11 +7,11 @@ ASE's and the calculator's host work on top; at 192 atoms that costs about as mu
 direct evaluation's kernels. Here the momenta and positions stay on the device (float64) for
 all M inner steps and the outer evaluation at their end: each evaluation replays the lean
 engine's recorded CUDA graph (:func:`evaluations_on_device`), the host queues the whole
-loop and waits once, at the end, for the positions, the momenta, the outer evaluation's
-results and one flag. The flag says whether an evaluation could not be trusted (an atom
-more than half the neighbor list's skin from where the list was built, or one that outgrew
-the neighbor table): then nothing is kept and the outer step is redone through ASE from
-where it started, the list rebuilt there.
+loop and waits once, at the end, for one copy of the positions, the momenta, the outer
+evaluation's results and a flag. The flag says whether an evaluation could not be trusted
+(an atom more than half the neighbor list's skin from where the list was built, or one
+that outgrew the neighbor table): then nothing is kept and the outer step is redone
+through ASE from where it started, the list rebuilt there.
 
 The arithmetic is the ASE path's, in the same order, so both give the same trajectory to
 rounding (``tests/test_mts.py``).
@@ -113,8 +113,9 @@ def run(
             untrusted = untrusted | flag
             p = p + 0.5 * timestep * f
     outer, flag = evaluations.outer(x)
-    if bool(untrusted | flag):  # the one wait for the device
+    host = outer.plus({"untrusted": untrusted | flag, "positions": x, "momenta": p}).to_host()  # the one wait
+    if host.pop("untrusted"):
         return None
-    host = outer.to_host()
+    x, p = host.pop("positions"), host.pop("momenta")
     host.pop("sizes")
-    return x.cpu().numpy(), p.cpu().numpy(), per_structure(host, evaluations.structures)[0]
+    return x, p, per_structure(host, evaluations.structures)[0]

@@ -68,6 +68,12 @@ class Flat(NamedTuple):
         values = torch.cat([tensor.detach().reshape(-1).to(torch.float64) for tensor in tensors.values()])
         return cls(values, tuple((name, tuple(tensor.shape)) for name, tensor in tensors.items()))
 
+    def plus(self, tensors: dict[str, torch.Tensor]) -> Flat:
+        """``tensors`` (any shapes and types, this device) packed after these results: one
+        vector again, so that the host still copies once."""
+        extra = Flat.of(tensors)
+        return Flat(torch.cat([self.values, extra.values]), self.layout + extra.layout)
+
     def _spans(self):
         """Each result's name, shape and its elements' start and end in :attr:`values`."""
         start = 0

@@ -176,12 +176,15 @@ def test_results_come_to_the_host_with_their_shapes_and_values():
         "sizes": torch.tensor([7, 2**40 + 1]),
         "virial": torch.zeros(2, 3, 3),
     }
-    host = Flat.of(tensors).to_host()
-    assert list(host) == list(tensors)
-    for name, tensor in tensors.items():
-        assert host[name].dtype == np.float64 and host[name].shape == tuple(tensor.shape)
-        np.testing.assert_array_equal(host[name], tensor.double().numpy())
-    assert int(host["sizes"][1]) == 2**40 + 1
+    more = {**tensors, "flag": torch.tensor(True)}
+    first, rest = dict(list(more.items())[:2]), dict(list(more.items())[2:])
+    for flat, wanted in ((Flat.of(tensors), tensors), (Flat.of(first).plus(rest), more)):  # plus: one copy still
+        host = flat.to_host()
+        assert list(host) == list(wanted)
+        for name, tensor in wanted.items():
+            assert host[name].dtype == np.float64 and host[name].shape == tuple(tensor.shape)
+            np.testing.assert_array_equal(host[name], tensor.double().numpy())
+        assert int(host["sizes"][1]) == 2**40 + 1
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
