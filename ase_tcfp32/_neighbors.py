@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -147,12 +148,11 @@ def build_pairs(
     device, n = positions.device, len(positions)
     starts, alone, groups = np.cumsum([0, *sizes[:-1]]), [], {}
     for k, (size, pbc, cell) in enumerate(zip(sizes, pbcs, host_cells)):
-        if positions.is_cuda and pbc.all() and abs(np.linalg.det(cell)) > 1e-6:
-            reach = images_needed(cell, cutoff)
-            if size**2 * np.prod([2 * r + 1 for r in reach]) <= ALL_PAIRS_LIMIT:
-                groups.setdefault((size, *reach), []).append(k)
-                continue
-        alone.append(k)  # vesin's
+        reach = _small_cell(size, pbc, cell, cutoff) if positions.is_cuda else None
+        if reach is None:
+            alone.append(k)  # vesin's
+        else:
+            groups.setdefault((size, *reach), []).append(k)
     if not alone and len(groups) == 1 and _kernel_searches(device):
         ((size, *reach),) = groups
         return _searched(positions.view(-1, size, 3), host_cells, cutoff, reach, capacity, into)
@@ -220,6 +220,16 @@ def _room(count: int, capacity: int) -> int:
     return capacity if 0 < capacity and count <= capacity else round_up(int(1.1 * count) + 64, 1024)
 
 
+def _small_cell(size: int, pbc: np.ndarray, cell: np.ndarray, cutoff: float) -> list[int] | None:
+    """The images (cells each way) a structure of ``size`` atoms in ``cell`` needs for
+    ``cutoff`` (Å) where every pair of atoms and image can be compared at once
+    (:data:`ALL_PAIRS_LIMIT`: 3D-periodic, small), else None."""
+    if not pbc.all() or abs(np.linalg.det(cell)) <= 1e-6:
+        return None
+    reach = images_needed(cell, cutoff)
+    return reach if size**2 * np.prod([2 * r + 1 for r in reach]) <= ALL_PAIRS_LIMIT else None
+
+
 def _kernel_searches(device: torch.device) -> bool:
     """Whether :mod:`ase_tcfp32._kernels.pairs` can search on ``device`` (CUDA, where Triton
     builds its launchers)."""
@@ -232,9 +242,10 @@ def _searched(
     """:func:`build_pairs` of B periodic structures of n atoms (``positions`` [B, n, 3]) by
     :mod:`ase_tcfp32._kernels.pairs`, images up to ``reach`` cells each way, written into
     ``into`` where they fit."""
-    from ._kernels.pairs import count_pairs, write_pairs
+    from ._kernels.pairs import count_pairs, geometry, write_pairs
 
-    count, first, state = count_pairs(positions, host_cells, cutoff, reach)
+    first, state = count_pairs(positions, geometry(host_cells, positions.device), cutoff, reach)
+    count = int(first[-1])  # the one wait for the device
     if into is None or count > into.valid.numel():
         capacity, device, index = _room(count, capacity), positions.device, torch.int64
         into = Pairs(
@@ -389,6 +400,45 @@ class VerletList:
             return True
         shift = batch.positions - positions
         return np.einsum("ij,ij->i", shift, shift).max() > (reach * self.skin) ** 2  # 3x np.sum(axis=1)
+
+    def rebuilder(self, batch: Structures) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """For positions of ``batch``'s structures to come (the end of an outer step of multiple
+        time stepping), a function that rebuilds the current pairs (those of ``batch``) in their
+        buffers from the positions [N, 3] (Å, float64, on the device) without waiting for the
+        device, and returns the pair count (a tensor on the device) for :meth:`settle`. The host
+        launches it while the device is busy, instead of building later while the device idles.
+        None where :mod:`ase_tcfp32._kernels.pairs` does not search these structures (on the
+        device, all small periodic cells of one size)."""
+        cutoff = self.cutoff + self.skin
+        reaches = [
+            _small_cell(size, pbc, cell, cutoff) for size, pbc, cell in zip(batch.sizes, batch.pbcs, batch.cells)
+        ]
+        groups = {(size, *reach) for size, reach in zip(batch.sizes, reaches) if reach is not None}
+        if None in reaches or len(groups) != 1 or self.pairs is None or not _kernel_searches(self.device):
+            return None
+        from ._kernels.pairs import count_pairs, geometry, write_pairs
+
+        ((size, *reach),) = groups
+        pairs, cells = self.pairs, geometry(batch.cells, self.device)  # uploaded now, while the device idles
+
+        def rebuild(positions: torch.Tensor) -> torch.Tensor:
+            first, state = count_pairs(positions.view(-1, size, 3), cells, cutoff, reach)
+            pairs.first.copy_(first)
+            write_pairs(state, pairs[:7], VIRIAL_BINS)
+            return first[-1]
+
+        return rebuild
+
+    def settle(self, count: int, positions: np.ndarray) -> None:
+        """After a :meth:`rebuilder`'s rebuild, once the device has been waited for: the pairs are
+        those of ``positions`` [N, 3] (Å, on the host, the positions it was given) where their
+        ``count`` fits the buffers; else they are dropped (the next use builds them anew)."""
+        if count > self.pairs.valid.numel():
+            self.pairs = None
+            return
+        self.pairs = self.pairs._replace(count=count)
+        self._reference = (positions.copy(), self._reference[1])
+        self.rebuilds += 1
 
     def update(self, batch: Structures, in_place: bool) -> bool:
         """Rebuild the pairs for ``batch``; with ``in_place``, into the current buffers where

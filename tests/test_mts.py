@@ -304,7 +304,8 @@ def test_inner_steps_leave_the_device_when_the_neighbor_list_expires(pet, water)
 def test_inner_steps_on_the_device_replay_the_recorded_graph(tiny_ckpt, integrator):
     """On the GPU with the default engine (CUDA graphs): the inner steps on the device
     replay the direct evaluation's recorded graph (no more recordings than through ASE), with
-    each outer step's noise for MTSLangevin, and follow the ASE path's trajectory to FP32
+    each outer step's noise for MTSLangevin, rebuild the pairs in their buffers at the end of
+    each outer step (``VerletList.rebuilder``), and follow the ASE path's trajectory to FP32
     rounding. A GPU's sums (``index_add_``'s atomics) round in any order, so the two paths'
     forces agree to FP32 rounding, within 1e-4 eV/Å (forces of ~10 eV/Å); over two outer steps
     (8 fs, the second a replay with new inputs) that moves a hydrogen by at most
@@ -325,5 +326,6 @@ def test_inner_steps_on_the_device_replay_the_recorded_graph(tiny_ckpt, integrat
         assert dyn.redone_steps == 0
     device, host = runs[True].calc._engine, runs[False].calc._engine
     assert device.cuda_graphs and device.recordings <= host.recordings
+    assert device.rebuilds == 1 + 4  # the first evaluation's list, then one queued at each outer step's end
     assert device.evaluations == host.evaluations == 1 + 4 * 8
     assert np.abs(early[True] - early[False]).max() < 3.1e-5

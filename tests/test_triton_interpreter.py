@@ -522,6 +522,35 @@ PAIRS_SCRIPT = textwrap.dedent(
         grown = _searched(positions.view(2, len(atoms), 3), batch.cells, cutoff, reach, small.valid.numel(), small)
         assert grown.valid is not small.valid and grown.count == theirs.count
         assert grown.valid.numel() >= 1.1 * grown.count and listed(grown) == listed(theirs)
+
+    # a Verlet list rebuilt in its buffers without the host reading the count (multiple time
+    # stepping's outer steps): the list of the new positions where it fits, dropped where not
+    import ase_tcfp32._neighbors as neighbors
+
+    neighbors._kernel_searches = lambda device: True  # the kernels' path, here under the interpreter
+    water = water_box(8, seed=2)
+    verlet = neighbors.VerletList(4.0, torch.device("cpu"), torch.float32)
+    verlet.skin = 1.0
+    verlet.update(Structures.of([water]), in_place=False)
+    buffers = verlet.pairs
+    moved = water.copy()
+    moved.positions += rng.normal(scale=0.2, size=moved.positions.shape)
+    later = Structures.of([moved])
+    rebuild = verlet.rebuilder(later)
+    count = rebuild(torch.tensor(later.positions))
+    assert verlet.pairs.valid is buffers.valid and verlet.rebuilds == 1  # in place; nothing settled yet
+    verlet.settle(int(count), later.positions)
+    fresh = build_pairs(torch.tensor(later.positions), later.cells, later.pbcs, later.sizes, 5.0, 0)
+    fresh = fresh._replace(offsets=fresh.offsets.float())  # the list's own offsets are in the model's type
+    assert verlet.pairs.valid is buffers.valid and verlet.pairs.count == fresh.count and verlet.rebuilds == 2
+    assert torch.equal(verlet.pairs.first, fresh.first) and listed(verlet.pairs) == listed(fresh)
+    assert not verlet.stale(later) and np.array_equal(verlet.reference, later.positions)
+    verlet.skin = 2.5  # more pairs than the buffers hold: written up to them, then dropped
+    capacity = verlet.pairs.valid.numel()
+    count = verlet.rebuilder(later)(torch.tensor(later.positions))
+    assert int(count) > capacity and verlet.pairs.valid.numel() == capacity
+    verlet.settle(int(count), later.positions)
+    assert verlet.pairs is None and verlet.stale(later) and verlet.rebuilds == 2
     print("interpreter pairs ok")
     """
 )
@@ -532,5 +561,7 @@ def test_pair_search_kernels_in_the_triton_interpreter():
     gives vesin's list: the same pairs, shifts, offsets, reverses, structures, order by
     center and padding, for beads of a box whose atoms lie outside it, of a triclinic cell,
     and of a 3.9 Å cell whose atoms see their own images 3 cells away; written into an
-    earlier list's larger buffers where it fits (float32 offsets), into new ones where not."""
+    earlier list's larger buffers where it fits (float32 offsets), into new ones where not;
+    a Verlet list rebuilt in its buffers before the host reads the count
+    (``VerletList.rebuilder``), kept where it fits and dropped where it does not."""
     interpret(PAIRS_SCRIPT, "interpreter pairs ok")

@@ -13,11 +13,12 @@ conservative evaluation's GPU work); here four launches and one wait (0.7 ms):
 2. ``_count_kernel``, one program per atom i: for every atom j how many images of j are
    within the cutoff, C[i, j], and its running sum over j, P[i, j] (exclusive);
 3. the pairs before each atom's, ``first`` (a cumulative sum), whose last entry, the pair
-   count, is the one number the host reads;
+   count, is the one number the host reads (at once for a new list, or later, with other
+   results, for a list rebuilt in its buffers while the device is busy);
 4. ``_write_kernel``, one program per atom i: recomputes the same comparisons and writes
    pair (i, j, image) at ``first[i] + P[i, j] +`` its rank among (i, j)'s images, and its
-   reverse's index ``first[j] + P[j, i] + C[i, j] - 1 -`` that rank; more programs write
-   the padding.
+   reverse's index ``first[j] + P[j, i] + C[i, j] - 1 -`` that rank, where that index is
+   within the buffers' capacity; more programs write the padding.
 
 The reverse comes without a search: the vector of (j, i) with the mirror image (-S) is the
 exact negative of that of (i, j, S) (the same operations on negated operands, whose
@@ -175,44 +176,50 @@ def _write_kernel(
                 close = _close(wrapped_ptr, geometry, atom, js, images, first_atom + n, cutoff2, R0, R1, R2, IMAGES)
                 rank = ranked[:, None] + tl.cumsum(close.to(tl.int64), 1) - 1
                 k = base + before[:, None] + rank
+                stored = close & (k < capacity)  # more pairs than the buffers hold: the host drops the list
                 tl.store(
-                    reverse_ptr + k, first_j[:, None] + before_reverse[:, None] + count[:, None] - 1 - rank, mask=close
+                    reverse_ptr + k, first_j[:, None] + before_reverse[:, None] + count[:, None] - 1 - rank, mask=stored
                 )
-                tl.store(centers_ptr + k, atom + 0 * rank, mask=close)
-                tl.store(neighbors_ptr + k, js[:, None] + 0 * rank, mask=close)
-                tl.store(bins_ptr + k, structure * BINS + k % BINS, mask=close)
-                tl.store(valid_ptr + k, close, mask=close)
+                tl.store(centers_ptr + k, atom + 0 * rank, mask=stored)
+                tl.store(neighbors_ptr + k, js[:, None] + 0 * rank, mask=stored)
+                tl.store(bins_ptr + k, structure * BINS + k % BINS, mask=stored)
+                tl.store(valid_ptr + k, close, mask=stored)
                 _, s0, s1, s2 = _image(geometry, images, 0, R0, R1, R2)
                 shift0 = s0[None, :] + whole_i0 - whole_j0[:, None]
                 shift1 = s1[None, :] + whole_i1 - whole_j1[:, None]
                 shift2 = s2[None, :] + whole_i2 - whole_j2[:, None]
-                tl.store(shifts_ptr + k * 3, shift0, mask=close)
-                tl.store(shifts_ptr + k * 3 + 1, shift1, mask=close)
-                tl.store(shifts_ptr + k * 3 + 2, shift2, mask=close)
+                tl.store(shifts_ptr + k * 3, shift0, mask=stored)
+                tl.store(shifts_ptr + k * 3 + 1, shift1, mask=stored)
+                tl.store(shifts_ptr + k * 3 + 2, shift2, mask=stored)
                 for v in tl.static_range(3):
                     offset = shift0.to(tl.float64) * tl.load(geometry + v) + shift1.to(tl.float64) * tl.load(
                         geometry + 3 + v
                     )
                     offset += shift2.to(tl.float64) * tl.load(geometry + 6 + v)
-                    tl.store(offsets_ptr + k * 3 + v, offset.to(offsets_ptr.dtype.element_ty), mask=close)
+                    tl.store(offsets_ptr + k * 3 + v, offset.to(offsets_ptr.dtype.element_ty), mask=stored)
                 ranked += tl.sum(close.to(tl.int64), axis=1)
 
 
-def count_pairs(positions: torch.Tensor, cells: np.ndarray, cutoff: float, reach: list[int]) -> tuple:
-    """Steps 1-3 (module doc) for B structures of n atoms (``positions`` [B, n, 3], float64,
-    on CUDA or under Triton's interpreter; ``cells`` [B, 3, 3] on the host, rows the cell
-    vectors), pairs closer than ``cutoff`` (Å) among images up to ``reach`` cells each way.
+def geometry(cells: np.ndarray, device: torch.device) -> torch.Tensor:
+    """The cells [B, 3, 3] (rows the cell vectors; on the host) and their inverses as the
+    kernels read them, [B, 18] float64 on ``device``."""
+    cells = np.asarray(cells, dtype=np.float64)
+    flat = np.concatenate([cells.reshape(len(cells), 9), np.linalg.inv(cells).reshape(len(cells), 9)], 1)
+    return torch.from_numpy(flat).to(device)
 
-    :return: the pair count (the one wait for the device), ``first`` [B n + 1] (atom a's
-        pairs are ``first[a] .. first[a + 1] - 1``) and the state that :func:`write_pairs`
-        takes: the wrapped positions, whole cells, cells and inverses, C and P [B n, n]
-        (int32: at most n x images each), ``first``, the cutoff squared, the reach and the
-        count of images.
+
+def count_pairs(positions: torch.Tensor, cells: torch.Tensor, cutoff: float, reach: list[int]) -> tuple:
+    """Steps 1-3 (module doc) for B structures of n atoms (``positions`` [B, n, 3], float64,
+    on CUDA or under Triton's interpreter; ``cells`` their :func:`geometry` on the same
+    device), pairs closer than ``cutoff`` (Å) among images up to ``reach`` cells each way;
+    queued, without waiting for the device.
+    :return: ``first`` [B n + 1] (atom a's pairs are ``first[a] .. first[a + 1] - 1``; the
+        last entry is the pair count) and the state that :func:`write_pairs` takes: the
+        wrapped positions, whole cells, the geometry, C and P [B n, n] (int32: at most n x
+        images each), ``first``, the cutoff squared, the reach and the count of images.
     """
     count, n = positions.shape[:2]
     device, atoms = positions.device, count * n
-    geometry = np.concatenate([cells.reshape(count, 9), np.linalg.inv(cells).reshape(count, 9)], 1)
-    geometry = torch.from_numpy(geometry).to(device, torch.float64)
     positions = positions.reshape(atoms, 3).contiguous()
     wrapped, whole = torch.empty_like(positions), torch.empty(atoms, 3, dtype=torch.int64, device=device)
     counts, before = (torch.empty(atoms, n, dtype=torch.int32, device=device) for _ in range(2))
@@ -221,19 +228,19 @@ def count_pairs(positions: torch.Tensor, cells: np.ndarray, cutoff: float, reach
     images = int(np.prod([2 * r + 1 for r in reach]))
     shape = (*reach, images, BLOCK_ATOMS, BLOCK_IMAGES)
     with on_device(device):
-        _wrap_kernel[(triton.cdiv(atoms, 128),)](positions, geometry, wrapped, whole, atoms, n, BLOCK=128)
-        _count_kernel[(atoms,)](wrapped, geometry, counts, before, totals, n, cutoff**2, *shape, num_warps=2)
+        _wrap_kernel[(triton.cdiv(atoms, 128),)](positions, cells, wrapped, whole, atoms, n, BLOCK=128)
+        _count_kernel[(atoms,)](wrapped, cells, counts, before, totals, n, cutoff**2, *shape, num_warps=2)
     torch.cumsum(totals, 0, out=first[1:])
-    state = (wrapped, whole, geometry, counts, before, first, n, cutoff**2, reach, images)
-    return int(first[-1]), first, state
+    return first, (wrapped, whole, cells, counts, before, first, n, cutoff**2, reach, images)
 
 
 def write_pairs(state: tuple, into: tuple, bins: int) -> None:
     """Step 4 (module doc): the pairs counted by :func:`count_pairs` (its ``state``) written
     into ``into``: centers, neighbors [E] int64, shifts [E, 3] int64, offsets [E, 3]
     (S @ cell, Å, any float type), bins [E] int64 (pair k of structure b: ``b * bins + k %
-    bins``), reverse [E] int64, valid [E] bool, E at least the pair count (the rest
-    padding: atom 0 to itself), ``first`` being :func:`count_pairs`' own."""
+    bins``), reverse [E] int64, valid [E] bool, the rest after the pair count padding
+    (atom 0 to itself); ``first`` being :func:`count_pairs`' own. Where E is less than the
+    pair count, only the pairs within it are written (and the list is incomplete)."""
     wrapped, whole, geometry, counts, before, first, n, cutoff2, reach, images = state
     capacity, atoms = into[0].shape[0], wrapped.shape[0]
     grid = (atoms + triton.cdiv(capacity, BLOCK_PADDING),)
