@@ -13,12 +13,12 @@ evaluation's results and a flag. The flag says whether an evaluation could not b
 that outgrew the neighbor table): then nothing is kept and the outer step is redone
 through ASE from where it started, the list rebuilt there.
 
-The neighbor list is rebuilt at the end of every outer step, for the next one: launched on
-the device after the outer evaluation (:meth:`ase_tcfp32._neighbors.VerletList.rebuilder`,
-small periodic cells on a GPU), while the device still works through the inner steps, and
-its pair count read with the rest. Built at the start of an outer step instead, when an
-atom had moved :data:`INNER_REACH` of the skin, the host's launches left the device idle
-(0.8 ms at 192 water atoms on an H100, every other outer step at M = 8).
+Where an atom has moved half of :data:`INNER_REACH` of the skin when an outer step starts,
+the neighbor list is rebuilt at its end, for the next one: launched on the device after the
+outer evaluation (:meth:`ase_tcfp32._neighbors.VerletList.rebuilder`, small periodic cells
+on a GPU) while the device still works through the inner steps, its pair count read with
+the rest. Built at the start of the next outer step instead, the host's launches would leave
+the device idle (0.8 ms at 192 water atoms on an H100, every other outer step at M = 8).
 
 The arithmetic is the ASE path's, in the same order, so both give the same trajectory to
 rounding (``tests/test_mts.py``).
@@ -79,7 +79,8 @@ def evaluations_on_device(engine: LeanPET, structures: list[Atoms], outer: set[s
     reach, width, rows = (0.5 * engine.skin) ** 2, engine.width, engine.rows
     direct = {"grad": False, "stress": False, "direct": (FORCE,), "llpr": (), "energy": False}  # nothing else read
     both = engine.flags(structures, outer)
-    rebuild = engine.neighbors.rebuilder(batch)
+    due = engine.neighbors.stale(batch, INNER_REACH / 2)  # likely stale by the end of this outer step
+    rebuild = engine.neighbors.rebuilder(batch) if due else None
 
     def evaluated(positions: torch.Tensor, flags: dict) -> tuple:
         flat = engine._evaluate(
