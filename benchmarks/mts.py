@@ -14,7 +14,8 @@ step (``device_inner_steps=False``). Prints per integrator the
 median ms per (outer) step, the simulated ps per wall second, its ratio to velocity
 Verlet's (the issue's target: >= 2 for M = 8), and the ms of one direct, one conservative
 and one combined evaluation, which predict the ratio: ``M t_c / ((M - 1) t_d + t_both)``
-(and of one pair-list build, which an outer step pays where the atoms have moved far enough).
+(and of one pair-list build, which an outer step pays where the atoms have moved far enough;
+on the device it is launched while the previous outer step's work runs).
 
 ``--model``: ``random-s`` / ``random-m`` (PET-MAD-S/-M shapes with random weights and
 random direct heads: speed only), a uPET name or a checkpoint with direct heads.
