@@ -201,11 +201,23 @@ def check(order: int | None, batch_size: int | None) -> None:
     quadrature(order)  # the order's checks
 
 
+def whole_batches(count: int, size: int, whole: int | None) -> int:
+    """Copies per batch for ``count`` copies of ``size`` atoms where one evaluation takes up
+    to ``whole`` atoms without going into pieces (None: any number): all at once where they
+    fit, else the fewest batches that do, of equal size. A piece-wise evaluation computes each
+    GNN layer's forward pass again in the backward pass; batches that fit do not."""
+    if whole is None or count * size <= whole:
+        return count
+    batches = math.ceil(count / max(1, whole // size))
+    return math.ceil(count / batches)
+
+
 def evaluate_averaged(
     evaluate: Callable[[list[Atoms]], list[dict]],
     atoms: Atoms,
     order: int,
     batch_size: int | None = None,
+    whole: int | None = None,
 ) -> dict:
     """The rotational average of ``evaluate``'s prediction for ``atoms``.
 
@@ -219,14 +231,16 @@ def evaluate_averaged(
     :param atoms: the structure (n atoms).
     :param order: the degree L integrated exactly, 1 to 131 (upet's ``rotational_average_order``).
     :param batch_size: copies per ``evaluate`` call (upet's ``rotational_average_batch_size``);
-        ``None``: all B at once.
+        ``None``: all B at once, or where more than ``whole`` atoms, the fewest equal batches
+        of at most ``whole`` (:func:`whole_batches`).
+    :param whole: the most atoms ``evaluate`` takes without evaluating them in pieces (None: any).
     :return: :func:`average`'s dict: averages and ``*_rot_std`` standard deviations.
     :raises torch.OutOfMemoryError: a batch did not fit, with advice on what to lower.
     """
     check_batch_size(batch_size)
     rotations, weights = quadrature(order)
     count = len(rotations)
-    batch_size = count if batch_size is None else batch_size
+    batch_size = whole_batches(count, len(atoms), whole) if batch_size is None else batch_size
     copies = rotated(atoms, rotations)
     results = []
     for start in range(0, count, batch_size):

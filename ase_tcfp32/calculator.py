@@ -103,7 +103,8 @@ class TCPETCalculator(LLPRMethods, Calculator):
         ``forces_rot_std``, ``stress_rot_std`` in ``results``. The rotated copies go through
         batched evaluations.
     :param rotational_average_batch_size: rotated copies per batched evaluation (default:
-        all at once).
+        all at once, or where they would be evaluated in pieces for the GPU's memory
+        (``piece_atoms``), the fewest equal batches that fit whole).
     :param non_conservative: ``False`` (default), ``True``, ``"forces"`` or ``"stress"``:
         forces and/or stress from the model's direct heads (one forward pass, no backward;
         PET-MAD >= 1.1), as in upet. They do not conserve energy: see :mod:`ase_tcfp32.mts`
@@ -486,7 +487,8 @@ class TCPETCalculator(LLPRMethods, Calculator):
             return self._compute(copies, properties)
 
         order, batch_size = self.rotational_average_order, self.rotational_average_batch_size
-        return _rotations.evaluate_averaged(evaluate, atoms, order, batch_size)
+        pieces = getattr(self._engine, "pieces", None)  # copies that fit whole: no layer computed twice
+        return _rotations.evaluate_averaged(evaluate, atoms, order, batch_size, pieces and pieces.above)
 
     @contextlib.contextmanager
     def _evaluating(self, atoms: int) -> Iterator[None]:

@@ -15,7 +15,7 @@ from metatomic_ase._symmetry import _choose_quadrature, _compute_rotational_aver
 from scipy.spatial.transform import Rotation
 
 from ase_tcfp32 import TCPETCalculator
-from ase_tcfp32._rotations import MAX_ORDER, average, evaluate_averaged, quadrature, rotated
+from ase_tcfp32._rotations import MAX_ORDER, average, evaluate_averaged, quadrature, rotated, whole_batches
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # small evaluations on 2 shared cores
 
@@ -323,6 +323,36 @@ def test_batches_give_the_same_average_in_one_call_each(demo, h2o):
     assert set(at_once) == set(in_batches)
     for key, value in at_once.items():
         np.testing.assert_allclose(in_batches[key], value, rtol=1e-6, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize(
+    "count, size, whole, expected",
+    [(308, 192, None, 308), (308, 192, 80_000, 308), (308, 192, 41_700, 154), (308, 192, 20_000, 103), (10, 50, 30, 1)],
+)
+def test_copies_that_would_go_into_pieces_come_in_the_fewest_equal_batches_that_fit(count, size, whole, expected):
+    assert whole_batches(count, size, whole) == expected
+
+
+def test_the_calculator_batches_copies_that_would_go_into_pieces(h2o):
+    """By default the copies go through one call, or where that many atoms would be evaluated
+    in pieces (``piece_atoms``, by default what the GPU's memory holds whole), through the
+    fewest equal calls that each evaluate whole: the same average."""
+    averages = {}
+    for piece_atoms in (0, 100):
+        calc = TCPETCalculator(
+            "pet-demo-chgnet", device="cpu", precision="fp32", progress=False, uncertainty_threshold=None,
+            rotational_average_order=2, piece_atoms=piece_atoms, engine="lean",
+        )  # fmt: skip
+        compute, calls = calc._engine.compute, []
+        calc._engine.compute = lambda structures, *args: calls.append(len(structures)) or compute(structures, *args)
+        atoms = h2o.copy()
+        atoms.calc = calc
+        forces = atoms.get_forces()  # one averaged evaluation gives both
+        averages[piece_atoms] = atoms.get_potential_energy(), forces
+        count = len(quadrature(2)[0])  # 60 copies of 3 atoms: 180 atoms, in pieces above 100
+        assert calls == ([count] if piece_atoms == 0 else [30, 30])
+    assert averages[100][0] == pytest.approx(averages[0][0], rel=1e-6, abs=1e-6)
+    np.testing.assert_allclose(averages[100][1], averages[0][1], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("batch_size", [0, -3, 2.5])
