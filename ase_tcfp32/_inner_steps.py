@@ -59,7 +59,7 @@ class Evaluations(NamedTuple):
     outer: Callable  # positions -> (the outer evaluation's results, a Flat; flag)
     structures: list[Atoms]  # the structures evaluated (the outer results are split into theirs)
     rebuild: Callable | None  # positions -> pair count: the pairs rebuilt there, queued (VerletList.rebuilder)
-    settle: Callable  # (pair count, host positions) after the wait (VerletList.settle)
+    settle: Callable  # (pair count or None, host positions) after the wait (VerletList.settle)
 
 
 def evaluations_on_device(engine: LeanPET, structures: list[Atoms], outer: set[str]) -> Evaluations | None:
@@ -88,7 +88,7 @@ def evaluations_on_device(engine: LeanPET, structures: list[Atoms], outer: set[s
         )
         most, total = flat.tensor("sizes")
         moved = (positions - reference).pow(2).sum(1).max()
-        return flat, (moved > reach) | (most > width) | (total > rows)
+        return flat, ~(moved <= reach) | (most > width) | (total > rows)  # NaN positions are not trusted either
 
     def forces(positions: torch.Tensor) -> tuple:
         flat, untrusted = evaluated(positions, direct)
@@ -129,10 +129,10 @@ def run(
     if evaluations.rebuild is not None:  # the next outer step's pairs, launched while the device works
         ends["pairs"] = evaluations.rebuild(x)
     host = outer.plus(ends).to_host()  # the one wait
-    x, p = host.pop("positions"), host.pop("momenta")
-    if "pairs" in host:
-        evaluations.settle(int(host.pop("pairs")), x)
-    if host.pop("untrusted"):
+    x, p, untrusted = host.pop("positions"), host.pop("momenta"), bool(host.pop("untrusted"))
+    if "pairs" in host:  # kept for the next outer step, not for a redone one
+        evaluations.settle(None if untrusted else int(host.pop("pairs")), x)
+    if untrusted:
         return None
     host.pop("sizes")
     return x, p, per_structure(host, evaluations.structures)[0]

@@ -429,11 +429,12 @@ class VerletList:
 
         return rebuild
 
-    def settle(self, count: int, positions: np.ndarray) -> None:
+    def settle(self, count: int | None, positions: np.ndarray) -> None:
         """After a :meth:`rebuilder`'s rebuild, once the device has been waited for: the pairs are
         those of ``positions`` [N, 3] (Å, on the host, the positions it was given) where their
-        ``count`` fits the buffers; else they are dropped (the next use builds them anew)."""
-        if count > self.pairs.valid.numel():
+        ``count`` fits the buffers; else, or with ``count`` None (positions not to be trusted),
+        they are dropped (the next use builds them anew)."""
+        if count is None or count > self.pairs.valid.numel():
             self.pairs = None
             return
         self.pairs = self.pairs._replace(count=count)

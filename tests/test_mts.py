@@ -299,6 +299,22 @@ def test_inner_steps_leave_the_device_when_the_neighbor_list_expires(pet, water)
     assert np.abs(device.positions - host.positions).max() < 1e-9
 
 
+def test_positions_that_are_not_numbers_are_not_trusted_on_the_device(pet, water):
+    """An inner evaluation at NaN positions (dynamics that blew up) is flagged like one out of
+    the neighbor list's reach, so the outer step is redone through ASE, which checks them."""
+    import torch
+
+    from ase_tcfp32 import _inner_steps
+
+    atoms = with_calculator(water, calculator(pet, neighbor_skin=2.0))
+    atoms.get_forces()  # sizes the engine's table
+    evaluations = _inner_steps.evaluations_on_device(atoms.calc._engine, [atoms], set(BOTH))
+    positions = torch.tensor(atoms.positions)
+    assert not bool(evaluations.direct(positions)[1])
+    positions[3, 1] = float("nan")
+    assert bool(evaluations.direct(positions)[1])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("integrator", ["verlet", "langevin"])
 def test_inner_steps_on_the_device_replay_the_recorded_graph(tiny_ckpt, integrator):

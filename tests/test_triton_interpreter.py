@@ -551,6 +551,10 @@ PAIRS_SCRIPT = textwrap.dedent(
     assert int(count) > capacity and verlet.pairs.valid.numel() == capacity
     verlet.settle(int(count), later.positions)
     assert verlet.pairs is None and verlet.stale(later) and verlet.rebuilds == 2
+    verlet.update(later, in_place=False)  # positions not to be trusted: the list is dropped too
+    verlet.rebuilder(later)(torch.tensor(later.positions))
+    verlet.settle(None, later.positions)
+    assert verlet.pairs is None and verlet.rebuilds == 3
     print("interpreter pairs ok")
     """
 )
