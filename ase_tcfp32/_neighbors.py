@@ -145,16 +145,10 @@ def build_pairs(
     pairs are written into its tensors where they fit its capacity (a recorded CUDA graph
     reads them; the offsets in its float type) and it is returned with the new count;
     otherwise the pairs are new tensors, the offsets float64."""
-    device, n = positions.device, len(positions)
-    starts, alone, groups = np.cumsum([0, *sizes[:-1]]), [], {}
-    for k, (size, pbc, cell) in enumerate(zip(sizes, pbcs, host_cells)):
-        reach = _small_cell(size, pbc, cell, cutoff) if positions.is_cuda else None
-        if reach is None:
-            alone.append(k)  # vesin's
-        else:
-            groups.setdefault((size, *reach), []).append(k)
-    if not alone and len(groups) == 1 and _kernel_searches(device):
-        ((size, *reach),) = groups
+    device, n, starts = positions.device, len(positions), np.cumsum([0, *sizes[:-1]])
+    alone, groups, kernels = _searches(sizes, pbcs, host_cells, cutoff, positions.is_cuda, device)
+    if kernels is not None:
+        size, reach = kernels
         return _searched(positions.view(-1, size, 3), host_cells, cutoff, reach, capacity, into)
     cells, found = torch.from_numpy(host_cells).to(device, torch.float64), []
     for k in alone:
@@ -220,14 +214,24 @@ def _room(count: int, capacity: int) -> int:
     return capacity if 0 < capacity and count <= capacity else round_up(int(1.1 * count) + 64, 1024)
 
 
-def _small_cell(size: int, pbc: np.ndarray, cell: np.ndarray, cutoff: float) -> list[int] | None:
-    """The images (cells each way) a structure of ``size`` atoms in ``cell`` needs for
-    ``cutoff`` (Å) where every pair of atoms and image can be compared at once
-    (:data:`ALL_PAIRS_LIMIT`: 3D-periodic, small), else None."""
-    if not pbc.all() or abs(np.linalg.det(cell)) <= 1e-6:
-        return None
-    reach = images_needed(cell, cutoff)
-    return reach if size**2 * np.prod([2 * r + 1 for r in reach]) <= ALL_PAIRS_LIMIT else None
+def _searches(sizes: list[int], pbcs: np.ndarray, cells: np.ndarray, cutoff: float, small: bool, device) -> tuple:
+    """How :func:`build_pairs` searches structures of ``sizes`` atoms in ``cells`` [S, 3, 3]
+    (``pbcs`` [S, 3]) for ``cutoff`` (Å): the indices of those vesin searches one by one; the
+    others by (n, *reach), where ``small`` (on a GPU), the 3D-periodic cells small enough to
+    compare every pair of atoms and images at once (:data:`ALL_PAIRS_LIMIT`; reach: the images
+    each way); and (n, reach) where they all are one such group that
+    :mod:`ase_tcfp32._kernels.pairs` searches on ``device``, else None."""
+    alone, groups = [], {}
+    for k, (size, pbc, cell) in enumerate(zip(sizes, pbcs, cells)):
+        reach = images_needed(cell, cutoff) if small and pbc.all() and abs(np.linalg.det(cell)) > 1e-6 else None
+        if reach is None or size**2 * np.prod([2 * r + 1 for r in reach]) > ALL_PAIRS_LIMIT:
+            alone.append(k)
+        else:
+            groups.setdefault((size, *reach), []).append(k)
+    if alone or len(groups) != 1 or not _kernel_searches(device):
+        return alone, groups, None
+    ((size, *reach),) = groups
+    return alone, groups, (size, reach)
 
 
 def _kernel_searches(device: torch.device) -> bool:
@@ -410,15 +414,13 @@ class VerletList:
         None where :mod:`ase_tcfp32._kernels.pairs` does not search these structures (on the
         device, all small periodic cells of one size)."""
         cutoff = self.cutoff + self.skin
-        reaches = [
-            _small_cell(size, pbc, cell, cutoff) for size, pbc, cell in zip(batch.sizes, batch.pbcs, batch.cells)
-        ]
-        groups = {(size, *reach) for size, reach in zip(batch.sizes, reaches) if reach is not None}
-        if None in reaches or len(groups) != 1 or self.pairs is None or not _kernel_searches(self.device):
+        small = _kernel_searches(self.device)  # build_pairs': small cells of positions on this device
+        kernels = _searches(batch.sizes, batch.pbcs, batch.cells, cutoff, small, self.device)[2]
+        if kernels is None or self.pairs is None:
             return None
         from ._kernels.pairs import count_pairs, geometry, write_pairs
 
-        ((size, *reach),) = groups
+        size, reach = kernels
         pairs, cells = self.pairs, geometry(batch.cells, self.device)  # uploaded now, while the device idles
 
         def rebuild(positions: torch.Tensor) -> torch.Tensor:
